@@ -1,0 +1,1 @@
+"""Benchmarks behind ``quire-engine bench``; each prints one JSON object."""

@@ -1,0 +1,54 @@
+"""``quire-engine`` command line: ``bench <name>`` today, ``serve`` once the server exists.
+
+Each benchmark lives in ``quire_engine.bench.<name>`` and exposes ``add_arguments(parser)`` and
+``run(args) -> dict``; the CLI prints the dict as one JSON object. Modules are imported lazily so
+``bench allocator`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+BENCHES = {
+    "allocator": "paged KV pool vs a contiguous allocator at the same KV budget",
+    "scheduler": "microseconds per schedule() step with many running sequences",
+    "kernel": "paged decode attention bandwidth vs torch SDPA (CUDA)",
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """Only the selected benchmark's module is imported (``bench kernel`` needs torch, the
+    allocator benchmark does not)."""
+    selected = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
+    parser = argparse.ArgumentParser(prog="quire-engine", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="run a benchmark and print JSON")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name, help_text in BENCHES.items():
+        sub = benches.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="print one compact JSON line")
+        if name == selected:
+            importlib.import_module(f"quire_engine.bench.{name}").add_arguments(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    if args.command == "bench":
+        module = importlib.import_module(f"quire_engine.bench.{args.bench}")
+        try:
+            result = module.run(args)
+        except ValueError as exc:
+            print(f"quire-engine: error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

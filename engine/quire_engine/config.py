@@ -1,0 +1,82 @@
+"""Frozen, validated configuration for the engine's control side.
+
+Every user-facing size is checked in ``__post_init__`` and rejected with a ``ValueError`` naming the
+field and the limit, so a bad flag fails at start-up instead of deep inside a step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+MAX_BLOCK_SIZE = 256
+
+
+class PreemptionMode(enum.Enum):
+    """What happens to a running sequence when the pool cannot grow it."""
+
+    RECOMPUTE = "recompute"  # free its blocks; re-prefill later (the prefix cache often hits)
+    SWAP = "swap"  # copy its blocks to the CPU pool and back
+
+    @classmethod
+    def parse(cls, value: str | PreemptionMode) -> PreemptionMode:
+        if isinstance(value, PreemptionMode):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"preemption_mode must be one of {choices}; got {value!r}") from None
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_int(name: str, value: object) -> int:
+    # bool is an int subclass; `block_size=True` is always a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Shape of the paged KV pool.
+
+    ``num_blocks`` is the GPU (or CPU-device) pool; ``num_cpu_blocks`` is the swap pool used by
+    ``PreemptionMode.SWAP`` (0 disables swapping).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_cpu_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        block_size = _check_int("block_size", self.block_size)
+        if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size must be a power of two in 1..{MAX_BLOCK_SIZE}; got {block_size}"
+            )
+        if _check_int("num_blocks", self.num_blocks) < 1:
+            raise ValueError(f"num_blocks must be >= 1; got {self.num_blocks}")
+        if _check_int("num_cpu_blocks", self.num_cpu_blocks) < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0; got {self.num_cpu_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one scheduler step and of one sequence."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if _check_int(name, getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        # Accept the string form ("swap") from flags and keyword arguments.
+        object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))

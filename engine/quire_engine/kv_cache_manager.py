@@ -1,0 +1,257 @@
+"""Per-sequence block tables over the block pool: on-demand growth, prefix reuse, fork, CoW, swap.
+
+Ownership rules:
+
+* The manager is the only holder that appears in ``BlockPool`` ref counts: each block id in a
+  sequence's table is one reference, taken by ``allocate_slots``/``fork``/``swap_in`` and
+  released by ``free``/``swap_out`` (deepest block first, so the deepest cached blocks are
+  evicted first).
+* A table only grows while its sequence is scheduled. Blocks holding a partially filled tail may be
+  shared after ``fork``; the first holder that writes into such a block gets a private copy first
+  (copy-on-write) and the (src, dst) pair is queued in ``pending_copies`` for the model runner,
+  which must perform queued copies before the step's forward pass writes any K/V.
+* A full block is published to the prefix cache by ``cache_computed`` only after the step that
+  wrote it, so a hit never reads K/V that do not exist yet.
+* Swapped sequences hold blocks of the CPU pool only; ``swap_out``/``swap_in`` return (src, dst)
+  moves that the runner performs before the forward pass (swap-outs first, then swap-ins, then CoW
+  copies: a block freed by a swap-out may be reused in the same step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from quire_engine.block_pool import Block, BlockPool, PoolStats
+from quire_engine.config import CacheConfig
+from quire_engine.sequence import Sequence
+
+
+class _Table:
+    """One sequence's device blocks (``blocks``) and their ids (``ids``, shared read-only with
+    scheduler outputs), plus how many leading blocks were already offered to the prefix cache."""
+
+    __slots__ = ("blocks", "ids", "num_cached")
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self.ids: list[int] = []
+        self.num_cached = 0
+
+    def append(self, block: Block) -> None:
+        self.blocks.append(block)
+        self.ids.append(block.block_id)
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
+    """Prefix hash of one full block: chains the parent hash, the block's tokens and extra keys.
+
+    sha256 rather than Python's ``hash`` so that two different prefixes never share K/V by a 64-bit
+    collision. ``extra`` (a tenant's cache salt) is folded into the first block only; the chain
+    carries it to every later block.
+    """
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", token_ids).tobytes())
+    if extra is not None:
+        h.update(b"\x00salt\x00" + extra.encode())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
+        self._tables: dict[str, _Table] = {}
+        self._cpu_tables: dict[str, list[Block]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        # Counters in tokens, for quire_prefix_cache_queries_total / _hits_total.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        """The live id list of a sequence's table; consumers must not mutate it."""
+        table = self._tables.get(seq_id)
+        return table.ids if table is not None else []
+
+    def ref_counts(self, seq_id: str) -> list[int]:
+        table = self._tables.get(seq_id)
+        return [b.ref_count for b in table.blocks] if table is not None else []
+
+    def cpu_block_ids(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self._cpu_tables.get(seq_id, [])]
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the sequence's full blocks (computed lazily, cached on the sequence)."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        tokens = seq.token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(
+                hash_block(parent, tokens[i * bs : (i + 1) * bs], None if i else seq.cache_salt)
+            )
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+    def computed_blocks(self, seq: Sequence) -> list[Block]:
+        """Longest chain of cached full blocks matching the sequence's tokens (not yet held).
+
+        At most ``num_tokens - 1`` tokens can hit: the last token is always recomputed because its
+        logits are needed to sample.
+        """
+        if not self.pool.enable_prefix_caching:
+            return []
+        hashes = self.block_hashes(seq)
+        hits: list[Block] = []
+        for block_hash in hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed: list[Block] | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` tokens after ``seq.num_computed_tokens``.
+
+        ``computed`` are prefix-cache hits for a sequence that holds no blocks yet; they are taken
+        (ref + 1) and ``seq.num_computed_tokens`` advances past them. Returns the sequence's live
+        block-id list, or None, changing nothing, when the pool cannot supply the blocks.
+        """
+        table = self._tables.get(seq.seq_id)
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        if table is not None:
+            # Fast path (the common decode step): the slots exist and the tail block is private.
+            blocks = table.blocks
+            num_held = len(blocks)
+            if (
+                end <= num_held * bs
+                and not computed
+                and (start % bs == 0 or blocks[start // bs].ref_count == 1)
+            ):
+                return table.ids
+        else:
+            num_held = 0
+        computed = computed or []
+        if computed and (num_held or start):
+            raise ValueError("prefix hits can only be taken by a sequence holding no blocks")
+        if computed:
+            start = len(computed) * bs
+            end = start + num_new_tokens
+        needed = self.num_blocks_for(end) - num_held - len(computed)
+        # Writing into a shared, partially filled block needs one private copy first.
+        cow = (
+            table is not None
+            and start % bs != 0
+            and start // bs < num_held
+            and table.blocks[start // bs].ref_count > 1
+        )
+        revived = sum(1 for b in computed if b.ref_count == 0)
+        if max(needed, 0) + cow + revived > self.pool.num_free:
+            return None
+
+        if table is None:
+            table = self._tables[seq.seq_id] = _Table()
+        if computed:
+            for block in computed:
+                self.pool.touch(block)
+                table.append(block)
+            seq.num_computed_tokens = start
+            table.num_cached = len(computed)
+        if cow:
+            i = start // bs
+            shared = table.blocks[i]
+            private = self.pool.allocate()
+            table.blocks[i] = private
+            table.ids[i] = private.block_id
+            self.pool.free([shared])
+            self.pending_copies.append((shared.block_id, private.block_id))
+        for _ in range(needed):
+            table.append(self.pool.allocate())
+        return table.ids
+
+    def note_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Publish the sequence's full blocks whose K/V are now written (after a step)."""
+        table = self._tables.get(seq.seq_id)
+        if table is None or not self.pool.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table.blocks))
+        if num_full <= table.num_cached:
+            return
+        hashes = self.block_hashes(seq)
+        for i in range(table.num_cached, num_full):
+            self.pool.cache_block(table.blocks[i], hashes[i])
+        table.num_cached = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (ref + 1 each); writes diverge by CoW."""
+        if child.seq_id in self._tables or child.seq_id in self._cpu_tables:
+            raise ValueError(f"sequence {child.seq_id!r} already holds blocks")
+        src = self._tables.get(parent.seq_id)
+        if src is None:
+            raise ValueError(f"sequence {parent.seq_id!r} holds no device blocks to fork")
+        table = self._tables[child.seq_id] = _Table()
+        for block in src.blocks:
+            self.pool.touch(block)
+            table.append(block)
+        table.num_cached = src.num_cached
+
+    def free(self, seq_id: str) -> None:
+        """Release everything the sequence holds, in any state (finish, abort, preemption)."""
+        table = self._tables.pop(seq_id, None)
+        if table is not None:
+            self.pool.free(reversed(table.blocks))
+        cpu = self._cpu_tables.pop(seq_id, None)
+        if cpu is not None:
+            self.cpu_pool.free(reversed(cpu))
+
+    # ---- swap ----------------------------------------------------------------------------
+    def can_swap_out(self, seq_id: str) -> bool:
+        table = self._tables.get(seq_id)
+        return table is not None and len(table.blocks) <= self.cpu_pool.num_free
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to the CPU pool; returns (device, cpu) copies."""
+        if not self.can_swap_out(seq_id):
+            raise ValueError(f"cannot swap out {seq_id!r}: not enough free CPU blocks")
+        table = self._tables.pop(seq_id)
+        cpu = [self.cpu_pool.allocate() for _ in table.blocks]
+        self._cpu_tables[seq_id] = cpu
+        # Shared blocks stay on the device for their other holders; ours become free (and stay
+        # cached if full, so a later swap-in or request may still hit them).
+        self.pool.free(reversed(table.blocks))
+        return [(d.block_id, c.block_id) for d, c in zip(table.blocks, cpu, strict=True)]
+
+    def can_swap_in(self, seq_id: str, extra_blocks: int = 0) -> bool:
+        cpu = self._cpu_tables.get(seq_id)
+        return cpu is not None and len(cpu) + extra_blocks <= self.pool.num_free
+
+    def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back into fresh device blocks; returns (cpu, device) copies."""
+        if not self.can_swap_in(seq_id):
+            raise ValueError(f"cannot swap in {seq_id!r}: not enough free device blocks")
+        cpu = self._cpu_tables.pop(seq_id)
+        table = self._tables[seq_id] = _Table()
+        for _ in cpu:
+            table.append(self.pool.allocate())
+        self.cpu_pool.free(reversed(cpu))
+        return [(c.block_id, d.block_id) for c, d in zip(cpu, table.blocks, strict=True)]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

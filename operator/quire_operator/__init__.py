@@ -1,0 +1,1 @@
+"""Quire's Kubernetes operator: reconciles InferenceService objects (built in a later issue)."""

@@ -1,0 +1,44 @@
+"""Engine test fixtures.
+
+``_pool_fully_free`` (autouse) fails a test if any live ``BlockPool`` (built in this test or in a
+session-scoped fixture) still has a referenced block when the test ends: every path out of the
+engine (finish, abort, preemption, rejection) must give back what it took. A pool reported once is
+forgotten, so one leak does not fail every later test.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from quire_engine.block_pool import BlockPool
+
+_live_pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _track_pools() -> Iterator[None]:
+    original_init = BlockPool.__init__
+
+    def tracking_init(self: BlockPool, *args: object, **kwargs: object) -> None:
+        original_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        _live_pools.add(self)
+
+    BlockPool.__init__ = tracking_init  # type: ignore[method-assign]
+    yield
+    BlockPool.__init__ = original_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _pool_fully_free(_track_pools: None) -> Iterator[None]:
+    yield
+    leaks = []
+    for pool in list(_live_pools):
+        stats = pool.stats()
+        if stats.used:
+            held = [b for b in pool.blocks if b.ref_count][:8]
+            leaks.append(f"{stats.used}/{stats.total} blocks still held, e.g. {held}")
+            _live_pools.discard(pool)
+    assert not leaks, "KV blocks leaked at the end of the test:\n" + "\n".join(leaks)
