@@ -1,4 +1,29 @@
-"""Quire's LLM engine: a paged KV cache, a continuous-batching scheduler and (in later modules) the
-model runner, kernels and HTTP server."""
+"""Quire's LLM engine: a paged KV cache, a continuous-batching scheduler, a model runner with a
+Triton paged-attention kernel, and an OpenAI-compatible server.
+
+``from quire_engine import LLM, SamplingParams`` loads torch lazily: the control side
+(``block_pool``, ``scheduler``) and the allocator benchmark never import it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from quire_engine.llm import LLM
+    from quire_engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from quire_engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from quire_engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

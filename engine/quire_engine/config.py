@@ -80,3 +80,49 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         # Accept the string form ("swap") from flags and keyword arguments.
         object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything ``LLM(...)`` and ``quire-engine serve`` accept, with their (vLLM-like) defaults.
+
+    ``None`` means "derive it": ``max_model_len`` from the model, ``max_num_batched_tokens`` from
+    ``max_model_len``, the pool size from ``num_blocks``, else ``kv_cache_memory``, else device
+    memory. ``swap_space`` (GiB) sizes the CPU pool used only by ``preemption_mode="swap"``.
+    """
+
+    model: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    swap_space: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))
+        block_size = _check_int("block_size", self.block_size)
+        if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size must be a power of two in 1..{MAX_BLOCK_SIZE}; got {block_size}"
+            )
+        for name in ("num_blocks", "kv_cache_memory", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and _check_int(name, value) < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        if _check_int("max_num_seqs", self.max_num_seqs) < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
+        _check_int("seed", self.seed)

@@ -10,8 +10,9 @@ Ownership rules:
   shared after ``fork``; the first holder that writes into such a block gets a private copy first
   (copy-on-write) and the (src, dst) pair is queued in ``pending_copies`` for the model runner,
   which must perform queued copies before the step's forward pass writes any K/V.
-* A full block is published to the prefix cache by ``cache_computed`` only after the step that
-  wrote it, so a hit never reads K/V that do not exist yet.
+* A block is published to the prefix cache as soon as a scheduled step will fill it
+  (``allocate_slots``), so requests admitted in the same step already share it: the runner writes
+  every new token's K/V into the cache before any attention of that layer reads it.
 * Swapped sequences hold blocks of the CPU pool only; ``swap_out``/``swap_in`` return (src, dst)
   moves that the runner performs before the forward pass (swap-outs first, then swap-ins, then CoW
   copies: a block freed by a swap-out may be reused in the same step).
@@ -88,16 +89,17 @@ class KVCacheManager:
     def stats(self) -> PoolStats:
         return self.pool.stats()
 
-    def block_hashes(self, seq: Sequence) -> list[bytes]:
-        """Hashes of the sequence's full blocks (computed lazily, cached on the sequence)."""
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the sequence's first ``num_blocks`` full blocks (computed lazily, cached on
+        the sequence). Callers never ask for a block holding the last token: that token may still
+        be replaced (a fork or a beam choosing another candidate)."""
         hashes = seq.block_hashes
         bs = self.block_size
         tokens = seq.token_ids
-        for i in range(len(hashes), len(tokens) // bs):
+        for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
-            hashes.append(
-                hash_block(parent, tokens[i * bs : (i + 1) * bs], None if i else seq.cache_salt)
-            )
+            salt = None if i else seq.cache_salt
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
         return hashes
 
     # ---- allocation ----------------------------------------------------------------------
@@ -109,9 +111,9 @@ class KVCacheManager:
         """
         if not self.pool.enable_prefix_caching:
             return []
-        hashes = self.block_hashes(seq)
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hits: list[Block] = []
-        for block_hash in hashes[: (seq.num_tokens - 1) // self.block_size]:
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -140,6 +142,8 @@ class KVCacheManager:
                 and not computed
                 and (start % bs == 0 or blocks[start // bs].ref_count == 1)
             ):
+                if end // bs > table.num_cached:  # this step fills a block: publish it
+                    self._publish(seq, table, end // bs)
                 return table.ids
         else:
             num_held = 0
@@ -179,21 +183,20 @@ class KVCacheManager:
             self.pending_copies.append((shared.block_id, private.block_id))
         for _ in range(needed):
             table.append(self.pool.allocate())
+        if end // bs > table.num_cached:
+            self._publish(seq, table, end // bs)
         return table.ids
 
     def note_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
-    def cache_computed(self, seq: Sequence) -> None:
-        """Publish the sequence's full blocks whose K/V are now written (after a step)."""
-        table = self._tables.get(seq.seq_id)
-        if table is None or not self.pool.enable_prefix_caching:
+    def _publish(self, seq: Sequence, table: _Table, num_full: int) -> None:
+        """Offer the sequence's first ``num_full`` (full) blocks to the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            table.num_cached = num_full
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table.blocks))
-        if num_full <= table.num_cached:
-            return
-        hashes = self.block_hashes(seq)
+        hashes = self.block_hashes(seq, num_full)
         for i in range(table.num_cached, num_full):
             self.pool.cache_block(table.blocks[i], hashes[i])
         table.num_cached = num_full

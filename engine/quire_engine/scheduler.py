@@ -103,16 +103,25 @@ class Scheduler:
         self.waiting.append(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Add ``child`` as a running copy of a running ``parent``, sharing all its blocks."""
-        if parent.status is not SequenceStatus.RUNNING:
-            raise ValueError(f"can only fork a running sequence; {parent.seq_id!r} is not")
+        """Add ``child`` as a copy of an unfinished ``parent``.
+
+        A running parent's blocks are shared (ref + 1 each, copy-on-write later). A parent that
+        holds no device blocks (waiting or swapped) cannot share them: the child waits at the
+        front of the queue and is prefilled on its own (the prefix cache usually hits)."""
+        if self.seqs.get(parent.seq_id) is not parent:
+            raise ValueError(f"can only fork an unfinished sequence; {parent.seq_id!r} is not")
         if child.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {child.seq_id!r}")
-        self.kv.fork(parent, child)
-        child.status = SequenceStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
         self.seqs[child.seq_id] = child
-        bisect.insort(self.running, child, key=_arrival)
+        if parent.status is SequenceStatus.RUNNING:
+            self.kv.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            bisect.insort(self.running, child, key=_arrival)
+        else:
+            child.status = SequenceStatus.WAITING
+            child.num_computed_tokens = 0
+            self.waiting.appendleft(child)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence in any state and release all it holds. Idempotent."""
@@ -244,27 +253,31 @@ class Scheduler:
             budget -= n
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
-        """Apply a finished step: advance progress, publish full blocks, append sampled tokens.
+        """Apply a finished step: advance progress and append sampled tokens.
 
         Returns the sequences that reached ``max_tokens`` or ``max_model_len`` (finished with
         reason "length"). Sequences aborted while the step ran are skipped.
         """
         finished = []
-        max_len = self.config.max_model_len
-        kv = self.kv
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += n
-            kv.cache_computed(seq)
             token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.append_token(token)
-            if len(seq.output_token_ids) >= seq.max_tokens or len(seq.token_ids) >= max_len:
-                self.finish(seq, "length")
+            if token is not None and self.append(seq, token):
                 finished.append(seq)
         return finished
+
+    def append(self, seq: Sequence, token: int) -> bool:
+        """Append a chosen token to a running sequence whose tokens are all computed; finishes it
+        (reason "length", returns True) at ``max_tokens`` or ``max_model_len``."""
+        seq.append_token(token)
+        if len(seq.output_token_ids) >= seq.max_tokens or (
+            len(seq.token_ids) >= self.config.max_model_len
+        ):
+            self.finish(seq, "length")
+            return True
+        return False
 
     # ---- observability -------------------------------------------------------------------
     @property

@@ -69,6 +69,14 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def replace_last_token(self, token_id: int) -> None:
+        """Swap the last sampled token (not yet computed) for another: a forked sample or beam
+        takes a different candidate from the same logits."""
+        if not self.output_token_ids:
+            raise ValueError("no sampled token to replace")
+        self.output_token_ids[-1] = token_id
+        self.token_ids[-1] = token_id
+
     def fork(self, seq_id: str) -> Sequence:
         """A copy that shares history but none of the scheduler-side identity (blocks are forked
         separately by the KV cache manager)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,12 @@ def _pool_fully_free(_track_pools: None) -> Iterator[None]:
             leaks.append(f"{stats.used}/{stats.total} blocks still held, e.g. {held}")
             _live_pools.discard(pool)
     assert not leaks, "KV blocks leaked at the end of the test:\n" + "\n".join(leaks)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One saved checkpoint per supported architecture (session-scoped: built once)."""
+    from tests.engine_tests.models import ARCHITECTURES, build
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build(arch, root / arch) for arch in ARCHITECTURES}

@@ -50,7 +50,6 @@ def test_prefix_hit_reuses_longest_chain_and_recomputes_last_token() -> None:
     a = seq("a", list(range(12)))
     assert kv.allocate_slots(a, 12) == [0, 1, 2]
     a.num_computed_tokens = 12
-    kv.cache_computed(a)
     # Same 12 tokens: at most 11 may hit, so 2 full blocks are reused and block 3 is new.
     b = seq("b", list(range(12)))
     hits = kv.computed_blocks(b)
@@ -71,7 +70,6 @@ def test_freed_cached_blocks_are_revived_after_finish() -> None:
     a = seq("a", list(range(9)))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
-    kv.cache_computed(a)
     kv.free("a")
     b = seq("b", list(range(9)))
     hits = kv.computed_blocks(b)
@@ -86,7 +84,6 @@ def test_salt_isolates_tenants() -> None:
     a = seq("a", list(range(9)), salt="tenant-a")
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
-    kv.cache_computed(a)
     assert kv.computed_blocks(seq("b", list(range(9)), salt="tenant-b")) == []
     assert kv.computed_blocks(seq("c", list(range(9)))) == []
     assert len(kv.computed_blocks(seq("d", list(range(9)), salt="tenant-a"))) == 2
@@ -104,7 +101,6 @@ def test_prefix_caching_disabled_never_hits() -> None:
     a = seq("a", list(range(9)))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
-    kv.cache_computed(a)
     assert kv.computed_blocks(seq("b", list(range(9)))) == []
     kv.free("a")
 
@@ -123,7 +119,7 @@ def test_fork_shares_blocks_and_copy_on_write_on_partial_tail() -> None:
     assert kv.take_copies() == [(1, 2)]
     assert kv.ref_counts("p") == [2, 1] and kv.ref_counts("c") == [2, 1]
     # The child is now the only holder of block 1: it writes in place, no copy.
-    child.output_token_ids[-1] = child.token_ids[-1] = 200
+    child.replace_last_token(200)
     assert kv.allocate_slots(child, 1) == [0, 1]
     assert kv.take_copies() == []
     kv.free("p")

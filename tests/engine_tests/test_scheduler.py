@@ -232,7 +232,7 @@ def test_fork_children_share_prompt_blocks() -> None:
     sched.update(out, {"p": 50})
     for j in (1, 2, 3):
         child = parent.fork(f"p.{j}")
-        child.output_token_ids[-1] = child.token_ids[-1] = 50 + j
+        child.replace_last_token(50 + j)
         sched.fork(parent, child)
     assert sched.kv.stats().used == 2  # 4 sequences, 2 shared blocks
     out = sched.schedule()
@@ -244,12 +244,24 @@ def test_fork_children_share_prompt_blocks() -> None:
     run_all(sched)
 
 
+def test_fork_of_waiting_parent_waits_too() -> None:
+    sched = make()
+    parent = Sequence("p", [1, 2, 3], max_tokens=2)
+    sched.add(parent)
+    child = parent.fork("c")
+    sched.fork(parent, child)
+    assert child.status is SequenceStatus.WAITING and sched.waiting[0] is child
+    assert sched.kv.block_ids("c") == []
+    run_all(sched)
+    assert child.finish_reason == parent.finish_reason == "length"
+
+
 def test_duplicate_ids_and_bad_fork_rejected() -> None:
     sched = make()
     s = Sequence("a", [1], max_tokens=1)
     sched.add(s)
     with pytest.raises(ValueError, match="duplicate sequence id"):
         sched.add(Sequence("a", [1], max_tokens=1))
-    with pytest.raises(ValueError, match="can only fork a running sequence"):
-        sched.fork(s, s.fork("b"))
     run_all(sched)
+    with pytest.raises(ValueError, match="can only fork an unfinished sequence"):
+        sched.fork(s, s.fork("b"))

@@ -216,7 +216,7 @@ def _replay_samples(
                 if parent.is_finished:
                     break
                 child = parent.fork(f"{parent.seq_id}.{j}")
-                child.output_token_ids[-1] = child.token_ids[-1] = rng.randrange(32000)
+                child.replace_last_token(rng.randrange(32000))
                 sched.fork(parent, child)
         used = sched.kv.stats().used
         peak = max(peak, used)

@@ -1,0 +1,221 @@
+"""The only bridge between the pure-Python control side and tensors.
+
+Owns the model and the KV cache tensors (device pool and CPU swap pool). Each ``execute`` call takes
+a ``SchedulerOutput``, performs its block moves (swap-outs, swap-ins, then copy-on-write copies, in
+that order, before any K/V of the step is written), packs the step's new tokens of every sequence
+into one row, runs the forward pass with paged attention and returns the logits of the sequences
+that sample this step.
+
+Pool sizing (``size_pool``): an explicit ``num_blocks`` or ``kv_cache_memory`` wins; otherwise on
+CUDA the pool gets ``total_memory * gpu_memory_utilization`` minus the weights and the activation
+peak of a profiling forward pass at ``max_num_batched_tokens``; on CPU a fixed default budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from quire_engine import attention
+from quire_engine.kernels import triton_usable
+from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
+from quire_engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU backend default KV space (it uses 4 GiB)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        # K and V, every layer: 2 * layers * kv_heads * head_dim * dtype_bytes.
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, block_size: int, dtype: torch.dtype) -> CacheShape:
+        cfg: Any = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        shape: CacheShape,
+        *,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        device: torch.device,
+    ) -> None:
+        attention.register()
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+        self.model = model
+        self.shape = shape
+        self.device = device
+        self.use_triton = triton_usable(device)
+        block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
+        # Zero-initialised: padded reads past a sequence's end must see finite values.
+        # Per layer: [num_blocks, block_size, kv_heads, head_dim].
+        self.k_caches = [
+            torch.zeros((num_blocks, *block), dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+        pin = device.type == "cuda"
+        self.cpu_k_caches = [
+            torch.zeros((num_cpu_blocks, *block), dtype=shape.dtype, pin_memory=pin)
+            for _ in range(shape.num_layers if num_cpu_blocks else 0)
+        ]
+        self.cpu_v_caches = [torch.zeros_like(k) for k in self.cpu_k_caches]
+        self._kv_pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns float32 logits [num_sampling_seqs, vocab] in batch order."""
+        self._move_blocks(out)
+        counts = np.asarray(out.num_new_tokens, dtype=np.int64)
+        starts = np.asarray(out.start_positions, dtype=np.int64)
+        num_tokens = int(counts.sum())
+        qsl = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        # Positions of every new token: start of its sequence + offset within the step.
+        seq_index = np.repeat(np.arange(len(counts)), counts)
+        positions = starts[seq_index] + (np.arange(num_tokens) - qsl[:-1][seq_index])
+        tables = _pad_tables(out.block_tables)  # [num_seqs, max_blocks]
+        bs = self.shape.block_size
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = np.fromiter(
+            (
+                t
+                for seq, s, n in zip(out.seqs, out.start_positions, out.num_new_tokens, strict=True)
+                for t in seq.token_ids[s : s + n]
+            ),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+        seq_lens = starts + counts
+        sample_rows = (qsl[1:] - 1)[np.asarray(out.samples, dtype=bool)]
+
+        dev = self.device
+        md = attention.AttentionMetadata(
+            kv_caches=self._kv_pairs,
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            use_triton=self.use_triton,
+        )
+        result = self.model(
+            input_ids=torch.from_numpy(input_ids).to(dev).unsqueeze(0),
+            position_ids=torch.from_numpy(positions).to(dev).unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=torch.from_numpy(sample_rows).to(dev),
+            quire_metadata=md,
+        )
+        return result.logits[0].float()  # [num_sampling_seqs, vocab]
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        # Order matters: a block freed by a swap-out may be a swap-in or CoW destination.
+        if out.swap_out:
+            swap_blocks(
+                self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, out.swap_out
+            )
+        if out.swap_in:
+            swap_blocks(
+                self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, out.swap_in
+            )
+        if out.block_copies:
+            copy_blocks(self.k_caches, self.v_caches, out.block_copies)
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    width = max(len(t) for t in tables)
+    out = np.zeros((len(tables), width), dtype=np.int32)  # padding id 0 is never read
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def size_pool(
+    *,
+    shape: CacheShape,
+    device: torch.device,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+    profile_peak_bytes: int | None,
+    min_tokens: int,
+) -> int:
+    """Number of device blocks; ``ValueError`` naming the numbers when not even one sequence of
+    ``min_tokens`` (max_model_len) fits."""
+    per_block = shape.bytes_per_block
+    if num_blocks is not None:
+        source = f"num_blocks={num_blocks}"
+        blocks = num_blocks
+    elif kv_cache_memory is not None:
+        blocks = kv_cache_memory // per_block
+        source = f"kv_cache_memory={kv_cache_memory} bytes"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        peak = profile_peak_bytes or 0
+        budget = int(total * gpu_memory_utilization) - peak
+        blocks = max(budget, 0) // per_block
+        source = (
+            f"{total / 2**30:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization} "
+            f"- {peak / 2**30:.2f} GiB weights and activation peak = {budget / 2**30:.2f} GiB"
+        )
+    else:
+        blocks = CPU_DEFAULT_KV_BYTES // per_block
+        source = f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB"
+    needed = -(-min_tokens // shape.block_size)
+    if blocks < needed:
+        raise ValueError(
+            f"no memory left for the KV cache: {source} gives {blocks} blocks of "
+            f"{shape.block_size} tokens ({per_block} bytes each), but one sequence of "
+            f"max_model_len={min_tokens} tokens needs {needed}; lower max_model_len or give the "
+            f"cache more memory"
+        )
+    return blocks
+
+
+def profile_peak_memory(model: PreTrainedModel, num_tokens: int, device: torch.device) -> int:
+    """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens.
+
+    Runs with transformers' own SDPA attention: the paged cache does not exist yet, and the
+    activation peak of the MLP and logits dominates the attention's."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    finally:
+        model.set_attn_implementation(impl)
+        torch.cuda.empty_cache()
