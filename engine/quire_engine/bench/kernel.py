@@ -1,0 +1,170 @@
+"""Decode attention bandwidth: the paged Triton kernel against torch SDPA on a contiguous cache.
+
+Default shape (issue 3): 64 sequences decoding one token each over 2,048 cached positions, 32 query
+heads sharing 8 KV heads of size 128, bfloat16, 16-token blocks. Decode attention reads every
+cached K and V once and does little arithmetic per byte, so it is bandwidth-bound and the figure
+of merit is bytes moved per second:
+
+    bytes = K and V read (batch * context * kv_heads * head_dim * 2 tensors * dtype bytes)
+            + q read + out written (batch * heads * head_dim * dtype bytes each)
+
+The same count is used for SDPA, which reads the same K/V from a contiguous
+``[batch, kv_heads, context, head_dim]`` copy (GQA through ``enable_gqa``, no K/V repetition).
+The paged cache's blocks are shuffled over the pool, as after a while of serving. Both read
+about 0.5 GB per call at the default shape, far more than the GPU's L2, so repeated calls are
+not served from cache. Each call is timed with its own pair of CUDA events; the median is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quire_engine.kernels import choose_num_splits, paged_attention, triton_usable
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=64, help="sequences decoding together")
+    parser.add_argument("--context", type=int, default=2048, help="cached positions per sequence")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument(
+        "--num-splits", type=int, default=None, help="split-KV count (default: the launcher's)"
+    )
+    parser.add_argument(
+        "--peak-gbps", type=float, default=4800.0, help="GPU memory bandwidth peak (H200: 4800)"
+    )
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in (
+        "batch",
+        "context",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "block_size",
+        "iters",
+    ):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_heads % args.num_kv_heads:
+        raise ValueError(
+            f"--num-heads ({args.num_heads}) must be a multiple of --num-kv-heads "
+            f"({args.num_kv_heads})"
+        )
+    if args.warmup < 0 or args.peak_gbps <= 0:
+        raise ValueError("--warmup must be >= 0 and --peak-gbps > 0")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "bench kernel needs a CUDA GPU and none is visible (torch.cuda.is_available() is "
+            "False); the Triton kernel is tested on CPU by the interpreter tests instead"
+        )
+    if not triton_usable("cuda"):
+        raise ValueError("bench kernel needs triton with CUDA (is triton installed?)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _validate(args)
+    device, dtype = torch.device("cuda"), DTYPES[args.dtype]
+    batch, context, heads = args.batch, args.context, args.num_heads
+    kv_heads, head_dim, block_size = args.num_kv_heads, args.head_dim, args.block_size
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    k_cache = randn(num_blocks, block_size, kv_heads, head_dim)  # [blocks, bs, kv_heads, D]
+    v_cache = randn(num_blocks, block_size, kv_heads, head_dim)
+    block_tables = (  # a random permutation: each sequence's blocks lie anywhere in the pool
+        torch.randperm(num_blocks, generator=gen, device=device)
+        .view(batch, blocks_per_seq)
+        .to(torch.int32)
+    )
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = randn(batch, heads, head_dim)  # one decode token per sequence
+    scale = head_dim**-0.5
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:  # -> [batch, kv_heads, context, D]
+        gathered = cache[block_tables.long()].flatten(1, 2)[:, :context]
+        return gathered.transpose(1, 2).contiguous()
+
+    k_contig, v_contig = contiguous(k_cache), contiguous(v_cache)
+    q_sdpa = q[:, :, None, :]  # [batch, heads, 1, D]
+    num_splits = args.num_splits or choose_num_splits(
+        batch, kv_heads, 1, context, torch.cuda.get_device_properties(device).multi_processor_count
+    )
+
+    def paged() -> torch.Tensor:
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+            max_query_len=1, max_seq_len=context, num_splits=num_splits,
+        )  # fmt: skip
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q_sdpa, k_contig, v_contig, scale=scale, enable_gqa=True
+        )
+
+    max_abs_diff = (paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
+    paged_ms = _median_ms(paged, args.warmup, args.iters)
+    sdpa_ms = _median_ms(sdpa, args.warmup, args.iters)
+    elem = torch.finfo(dtype).bits // 8
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * elem
+    total_bytes = kv_bytes + 2 * batch * heads * head_dim * elem
+
+    def gbps(ms: float) -> float:
+        return total_bytes / (ms * 1e-3) / 1e9
+
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "dtype": args.dtype,
+        "batch": batch,
+        "context": context,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "num_splits": num_splits,
+        "bytes_per_call": total_bytes,
+        "peak_gbps": args.peak_gbps,
+        "paged_ms": round(paged_ms, 4),
+        "paged_gbps": round(gbps(paged_ms), 1),
+        "paged_fraction_of_peak": round(gbps(paged_ms) / args.peak_gbps, 3),
+        "sdpa_ms": round(sdpa_ms, 4),
+        "sdpa_gbps": round(gbps(sdpa_ms), 1),
+        "sdpa_fraction_of_peak": round(gbps(sdpa_ms) / args.peak_gbps, 3),
+        "paged_speedup_vs_sdpa": round(sdpa_ms / paged_ms, 3),
+        "max_abs_diff_vs_sdpa": max_abs_diff,
+    }

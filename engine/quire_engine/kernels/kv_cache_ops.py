@@ -1,0 +1,240 @@
+"""Moving K/V in and between paged caches: slot writes, block copies (copy-on-write) and swaps.
+
+Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``. A *slot* names
+one token position of the pool: ``slot = block_id * block_size + offset``.
+
+- :func:`write_kv`: scatter the step's new K/V ``[num_tokens, kv_heads, head_dim]`` into their
+  slots. A Triton kernel on CUDA (one program per token), ``index_put_`` elsewhere.
+- :func:`copy_blocks`: ``dst <- src`` block copies inside each layer's pool, for copy-on-write
+  when a shared last block is about to be written by one of its owners.
+- :func:`swap_blocks`: block copies between two pools of the same block shape on different
+  devices (GPU <-> CPU) for swap-out / swap-in preemption.
+
+The copies are whole-block gathers/scatters with torch indexing: one kernel per layer and
+tensor, already bandwidth-bound, so a custom kernel would buy nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quire_engine.kernels import HAS_TRITON, check_launchable, jit, triton_usable
+
+if HAS_TRITON:
+    import triton.language as tl
+
+
+@jit
+def _write_kv_kernel(  # type: ignore[no-untyped-def]  # annotations mean types to Triton
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # same layout as k_cache
+    slot_mapping_ptr,  # int64 [num_tokens]
+    stride_kt, stride_kh, stride_vt, stride_vh,  # key, value: token, head
+    stride_kcb, stride_kct, stride_kch,  # k_cache: block, slot, head
+    stride_vcb, stride_vct, stride_vch,  # v_cache
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two (tl.arange needs one)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    # One program per token moves all its heads: [HEADS_PAD, HEAD_DIM_PAD] of K and of V.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)  # int64, so block * stride cannot overflow
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(
+        value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask
+    )
+    tl.store(
+        k_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kct
+        + heads[:, None] * stride_kch
+        + dims[None, :],
+        k,
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vct
+        + heads[:, None] * stride_vch
+        + dims[None, :],
+        v,
+        mask=mask,
+    )
+
+
+def _check_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    want = (slot_mapping.shape[0], *k_cache.shape[2:])
+    if key.shape != want or value.shape != want:
+        raise ValueError(
+            f"key and value must be [num_tokens, num_kv_heads, head_dim] = {want}, "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        raise ValueError(
+            f"slot_mapping must be a 1-D int64 tensor, got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    dtypes = {key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}
+    if len(dtypes) != 1:
+        raise ValueError(f"key, value and the caches must share one dtype, got {dtypes}")
+    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        if not 0 <= int(slot_mapping.min()) <= int(slot_mapping.max()) < capacity:
+            raise ValueError(f"slot_mapping holds slots outside [0, {capacity})")
+
+
+def write_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots, in place.
+
+    Indexing (block, offset) pairs rather than a flattened view works for any cache strides."""
+    _check_write(key, value, k_cache, v_cache, slot_mapping)
+    block_size = k_cache.shape[1]
+    index = (slot_mapping // block_size, slot_mapping % block_size)
+    k_cache.index_put_(index, key)
+    v_cache.index_put_(index, value)
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The Triton launcher behind :func:`write_kv` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    _check_write(key, value, k_cache, v_cache, slot_mapping)
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    check_launchable(key.device, "write_kv")
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=1 << (num_kv_heads - 1).bit_length(), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=1 << (head_dim - 1).bit_length(),
+    )  # fmt: skip
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V into their slots: the Triton kernel on CUDA, ``index_put_`` elsewhere."""
+    if triton_usable(key.device):
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _pair_indices(
+    pairs: list[tuple[int, int]], num_src: int, num_dst: int
+) -> tuple[list[int], list[int]]:
+    """Split (src, dst) pairs into index lists, checking ranges and that no dst repeats (two
+    copies into one block would leave it undefined)."""
+    src = [s for s, _ in pairs]
+    dst = [d for _, d in pairs]
+    bad = [(s, d) for s, d in pairs if not (0 <= s < num_src and 0 <= d < num_dst)]
+    if bad:
+        raise ValueError(f"block pairs {bad} out of range (src < {num_src}, dst < {num_dst})")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"destination blocks repeat in {pairs}")
+    return src, dst
+
+
+def _check_layers(
+    a: list[torch.Tensor], b: list[torch.Tensor], names: tuple[str, str], same_device: bool
+) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{names[0]} has {len(a)} layers, {names[1]} has {len(b)}")
+    for layer, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x.dim() != 4 or x.shape[1:] != y.shape[1:] or x.dtype != y.dtype:
+            raise ValueError(
+                f"layer {layer}: {names[0]} {tuple(x.shape)} {x.dtype} and {names[1]} "
+                f"{tuple(y.shape)} {y.dtype} must be 4-D caches of one block shape and dtype"
+            )
+        if same_device and x.device != y.device:
+            raise ValueError(f"layer {layer}: {names[0]} on {x.device}, {names[1]} on {y.device}")
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: list[tuple[int, int]]
+) -> None:
+    """In every layer copy block ``src`` to block ``dst`` for each ``(src, dst)`` in ``pairs``.
+
+    All sources are read before any destination is written, so a block may be both the source
+    of one pair and the destination of another."""
+    _check_layers(k_caches, v_caches, ("k_caches", "v_caches"), same_device=True)
+    if not pairs or not k_caches:
+        return
+    num_blocks = k_caches[0].shape[0]
+    if any(c.shape[0] != num_blocks for c in (*k_caches, *v_caches)):
+        raise ValueError("every layer's cache must hold the same number of blocks")
+    src, dst = _pair_indices(pairs, num_blocks, num_blocks)
+    device = k_caches[0].device
+    src_idx = torch.tensor(src, dtype=torch.long, device=device)
+    dst_idx = torch.tensor(dst, dtype=torch.long, device=device)
+    for cache in (*k_caches, *v_caches):
+        cache[dst_idx] = cache[src_idx]  # the gather makes a copy before the scatter
+
+
+def swap_blocks(
+    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], pairs: list[tuple[int, int]]
+) -> None:
+    """Copy block ``src`` of ``src_caches[i]`` to block ``dst`` of ``dst_caches[i]`` for every
+    layer ``i``; the two pools may live on different devices (swap out: GPU -> CPU, swap in:
+    CPU -> GPU). Pass the K caches and the V caches as separate calls or concatenated lists."""
+    _check_layers(src_caches, dst_caches, ("src_caches", "dst_caches"), same_device=False)
+    if not pairs or not src_caches:
+        return
+    src, dst = _pair_indices(pairs, src_caches[0].shape[0], dst_caches[0].shape[0])
+    for s_cache, d_cache in zip(src_caches, dst_caches, strict=True):
+        if s_cache.shape[0] != src_caches[0].shape[0] or d_cache.shape[0] != dst_caches[0].shape[0]:
+            raise ValueError("every layer's pool on one side must hold the same number of blocks")
+    src_idx = torch.tensor(src, dtype=torch.long, device=src_caches[0].device)
+    dst_idx = torch.tensor(dst, dtype=torch.long, device=dst_caches[0].device)
+    for s_cache, d_cache in zip(src_caches, dst_caches, strict=True):
+        # Gather on the source device (one contiguous [n, block...] tensor), move it in one
+        # transfer, scatter on the destination device.
+        d_cache[dst_idx] = s_cache[src_idx].to(d_cache.device)
