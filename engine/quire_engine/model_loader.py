@@ -51,11 +51,14 @@ class LoadedModel:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda (optionally cuda:N); got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
     return dev
 
 
