@@ -25,7 +25,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         tmp_path
     )
     with pytest.raises(
-        ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*supported: LlamaForCausalLM"
+        ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*supported: LlamaForCausalLM"
     ):
         LLM(str(tmp_path), device="cpu")
 
@@ -33,7 +33,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 def test_missing_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a local directory"):
         LLM(str(tmp_path / "nope"), device="cpu")
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match=r"has no config\.json"):
         LLM(str(tmp_path), device="cpu")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="has no weights"):
