@@ -17,6 +17,7 @@ BENCHES = {
     "allocator": "paged KV pool vs a contiguous allocator at the same KV budget",
     "scheduler": "microseconds per schedule() step with many running sequences",
     "kernel": "paged decode attention bandwidth vs torch SDPA (CUDA)",
+    "throughput": "offline throughput vs transformers static and continuous batching",
 }
 
 
