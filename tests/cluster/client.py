@@ -1,0 +1,112 @@
+"""What the ``cluster`` pytest fixture hands to tests: kubeconfig, Python clients, CLI env.
+
+Ownership: ``ClusterHandle`` owns one ``kubernetes.client.ApiClient`` (closed by the fixture at
+session end); the control plane itself stays owned by the fixture. This module imports the
+``kubernetes`` package, which is why it is separate from the stdlib-only launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client, config
+
+from .build import Binaries
+from .launcher import ControlPlane
+
+T = TypeVar("T")
+
+
+@dataclass
+class ClusterHandle:
+    """A ready cluster: ``kubeconfig`` path, ``api`` client and typed API groups."""
+
+    control_plane: ControlPlane
+    binaries: Binaries
+    kubeconfig: Path
+    api: client.ApiClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A client of its own instead of kubernetes.config.load_kube_config(), which would
+        # rewrite the library-wide default configuration behind other code's back.
+        self.api = config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    @property
+    def apps(self) -> client.AppsV1Api:
+        return client.AppsV1Api(self.api)
+
+    @property
+    def autoscaling(self) -> client.AutoscalingV2Api:
+        return client.AutoscalingV2Api(self.api)
+
+    @property
+    def apiextensions(self) -> client.ApiextensionsV1Api:
+        return client.ApiextensionsV1Api(self.api)
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    def json(self, obj: object) -> Any:
+        """A client model object as the API's JSON shape (camelCase keys, no None fields).
+
+        Tests assert on this form: it reads like the YAML of the object and sidesteps the
+        Optional attributes of the typed models.
+        """
+        return self.api.sanitize_for_serialization(obj)
+
+    def env(self) -> dict[str, str]:
+        """Environment for subprocesses: KUBECONFIG set, cached kubectl/helm first on PATH."""
+        path = os.pathsep.join([*(str(d) for d in self.binaries.bin_dirs()), os.environ["PATH"]])
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path}
+
+    def kubectl(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run the cached kubectl against this cluster (output captured, never raises)."""
+        return self._run([str(self.binaries.kubectl), *args], timeout_s)
+
+    def helm(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run the cached helm against this cluster (output captured, never raises)."""
+        return self._run([str(self.binaries.helm), *args], timeout_s)
+
+    def _run(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv, capture_output=True, text=True, env=self.env(), timeout=timeout_s, check=False
+        )
+
+    def close(self) -> None:
+        self.api.close()
+
+
+def wait_for(
+    what: str,
+    fetch: Callable[[], T],
+    until: Callable[[T], bool],
+    *,
+    timeout_s: float = 30,
+    interval_s: float = 0.2,
+) -> T:
+    """Call ``fetch`` until ``until(value)`` holds and return that value; bounded by timeout_s.
+
+    On timeout the AssertionError names ``what`` and the last value fetched, so a failing test
+    says what it waited for and what it saw instead of just "timeout".
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fetch()
+        if until(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s}s waiting for {what}; last seen: {value!r}"
+            )
+        time.sleep(interval_s)

@@ -1,0 +1,142 @@
+"""Child processes of the test cluster: start with a log file, stop for sure, wait for readiness.
+
+Ownership: a ``ManagedProcess`` owns exactly one child and its log file handle. The log file
+itself belongs to the launcher's log directory, which outlives the process so that a failing
+test can still show what the component said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+class ClusterError(RuntimeError):
+    """The control plane could not start, or a component died; the message carries log tails."""
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: ask Linux to SIGKILL it when the parent dies.
+
+    Without this a pytest run killed by a CI time limit (SIGKILL, so no cleanup code runs)
+    would leave etcd and the API server holding ports and memory. Best effort: on a system
+    without prctl the normal stop path still applies.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    There is a short window before the component binds it; on a test machine that race is
+    rare, and a lost race shows up as a clear "address already in use" in the component's log.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ('' if it does not exist)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ManagedProcess:
+    """One control-plane component running in its own session, output going to ``log_path``."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        # Its own session: Ctrl-C in a terminal reaches only the Python parent, which then stops
+        # the components in order (API server before etcd) instead of all dying at once.
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exited(self) -> int | None:
+        """The exit code if the process has ended, else None."""
+        return self.popen.poll()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``; always reaps the child and closes the log."""
+        try:
+            if self.popen.poll() is None:
+                self.popen.terminate()
+                try:
+                    self.popen.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    self.popen.kill()
+                    self.popen.wait(timeout=grace_s)
+        finally:
+            self._log.close()
+
+    def describe_failure(self, lines: int = 40) -> str:
+        code = self.exited()
+        state = "running" if code is None else f"exited with code {code}"
+        header = f"--- {self.name} ({state}); last lines of {self.log_path}:"
+        return f"{header}\n{tail(self.log_path, lines)}"
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], bool],
+    *,
+    timeout_s: float,
+    watch: Sequence[ManagedProcess],
+    interval_s: float = 0.1,
+) -> None:
+    """Poll ``check`` until it is true; fail fast (with logs) if a watched process exits."""
+    deadline = time.monotonic() + timeout_s
+    last_error = ""
+    while True:
+        for proc in watch:
+            if proc.exited() is not None:
+                raise ClusterError(
+                    f"{proc.name} exited while waiting for {what}\n{proc.describe_failure()}"
+                )
+        try:
+            if check():
+                return
+        except OSError as exc:  # connection refused, TLS not up yet, HTTP errors
+            last_error = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            logs = "\n".join(proc.describe_failure(20) for proc in watch)
+            raise ClusterError(
+                f"timed out after {timeout_s:.0f}s waiting for {what}"
+                + (f" (last error: {last_error})" if last_error else "")
+                + f"\n{logs}"
+            )
+        time.sleep(interval_s)
+
+
+def shm_dir() -> Path | None:
+    """``/dev/shm`` when it is a writable tmpfs-like directory (etcd data lives there)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None

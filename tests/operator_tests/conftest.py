@@ -1,0 +1,97 @@
+"""Fixtures for tests against a real Kubernetes control plane (see docs/test-cluster.md).
+
+- ``cluster`` (session): builds the binaries if they are not cached, starts etcd, the API server,
+  controller manager, scheduler and kwok once per session, and stops them at the end.
+- ``namespace`` (function): a fresh namespace per test, deleted afterwards.
+
+Policy: locally, a machine without Go (and without cached binaries) skips the cluster tests
+with the reason; under ``CI=true`` the same situation fails them, because CI must never pass
+by skipping the tests that prove the operator against a real API server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pytest
+
+from tests.cluster import ControlPlane, GoUnavailable, ensure_binaries
+
+if TYPE_CHECKING:
+    from tests.cluster.client import ClusterHandle
+
+# The running control plane, so the report hook below can attach its logs to failures.
+_ACTIVE: ControlPlane | None = None
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
+def _unavailable(reason: str) -> NoReturn:
+    if _in_ci():
+        pytest.fail(f"CI=true and the test cluster is unavailable: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
+    """A running control plane; yields a ``tests.cluster.client.ClusterHandle``."""
+    global _ACTIVE
+    try:
+        from tests.cluster import client as handles
+    except ImportError as err:  # the `kubernetes` package is part of the [operator] extra
+        _unavailable(f"python package missing: {err}")
+
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    # A cold build takes many minutes; show Go's progress instead of a silent hang.
+    show = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    try:
+        with show:
+            binaries = ensure_binaries()
+    except GoUnavailable as err:
+        _unavailable(str(err))
+
+    control_plane = ControlPlane(binaries)
+    control_plane.start()  # on failure it stops itself and the error carries the log tails
+    _ACTIVE = control_plane
+    handle = handles.ClusterHandle(control_plane, binaries, control_plane.kubeconfig)
+    try:
+        yield handle
+    finally:
+        _ACTIVE = None
+        handle.close()
+        keep = request.session.testsfailed > 0
+        control_plane.stop(keep_logs=keep)
+        reporter = request.config.pluginmanager.getplugin("terminalreporter")
+        if keep and reporter is not None:
+            reporter.write_line(f"control-plane logs kept in {control_plane.log_dir}")
+
+
+@pytest.fixture
+def namespace(cluster: ClusterHandle) -> Iterator[str]:
+    """A namespace of its own for one test; deleted (asynchronously) afterwards."""
+    from kubernetes import client
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(Exception):  # best effort: the cluster may already be gone
+            cluster.core.delete_namespace(name)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Attach the components' log tails to any failing test that used the cluster."""
+    report = yield
+    if report.failed and _ACTIVE is not None and "cluster" in getattr(item, "fixturenames", ()):
+        dead = _ACTIVE.dead_components()
+        header = f"dead components: {', '.join(dead)}\n" if dead else ""
+        report.sections.append(("control-plane logs", header + _ACTIVE.log_report()))
+    return report
