@@ -46,20 +46,22 @@ step "kernel tests (pytest -m gpu)" kernel-tests.log \
 #    against torch SDPA on a contiguous cache; fraction of the H200's 4.8 TB/s.
 step "bench kernel" bench-kernel.json "${QUIRE[@]}" bench kernel --json --peak-gbps 4800
 
-# 3. PLACEHOLDER (model runner): HF equivalence on CUDA — token-exact in float32; bf16 logits
-#    within tolerance on a >= 100M-parameter model, reporting where greedy outputs diverge.
-#    Those tests carry @pytest.mark.gpu; this step picks up every gpu test outside the kernels.
+# 3. HF equivalence on CUDA (tests/engine_tests/test_gpu_equivalence.py): token-exact in float32
+#    for every architecture; bf16 logits within tolerance on a ~134M-parameter Llama, printing
+#    where greedy outputs first diverge (-s keeps that JSON line in the log).
 gpu_tests_outside_kernels() {  # pytest exits 5 when it collects nothing: not a failure here
-    "$PYTHON" -m pytest -m gpu tests -q -rs --ignore=tests/engine_tests/test_kernels.py
+    "$PYTHON" -m pytest -m gpu tests -q -rs -s --ignore=tests/engine_tests/test_kernels.py
     local rc=$?
     [[ $rc -eq 5 ]] && echo "(no gpu tests outside the kernels yet)" && return 0
     return $rc
 }
 step "gpu tests outside kernels" gpu-tests.log gpu_tests_outside_kernels
 
-# 4. PLACEHOLDER (throughput benchmark): Quire vs HF static vs HF continuous batching on CUDA.
-#    Add the device/dtype flags here once `bench throughput` has them.
-step "bench throughput" bench-throughput.json "${QUIRE[@]}" bench throughput --json
+# 4. Throughput: Quire vs HF static vs HF continuous batching at one KV budget, bf16, a ~300M
+#    Llama built from a config, 256 ShareGPT-like requests.
+step "bench throughput" bench-throughput.json "${QUIRE[@]}" bench throughput --json \
+    --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 --vocab-size 32000 \
+    --num-requests 256 --mean-prompt 200 --mean-output 180 --max-model-len 2048 --budget-seqs 16
 
 echo
 echo "=== summary (results in $RESULTS/)"

@@ -1,0 +1,249 @@
+"""Offline throughput at one KV budget: Quire vs transformers' static batching and transformers'
+continuous batching, same weights, same requests, measured in one run.
+
+The workload: ShareGPT-like log-normal prompt and output lengths (fixed seed), token-id prompts,
+greedy decoding with EOS ignored so every system generates exactly the requested lengths. The KV
+budget is ``--budget-seqs`` contiguous ``max_model_len`` sequences, in tokens:
+
+* Quire: a paged pool of ``budget / block_size`` blocks.
+* HF static (the naive contiguous server of the PagedAttention paper): ``generate`` on left-padded
+  waves, taken in arrival order, each as large as the budget allows when every sequence reserves
+  the wave's padded prompt plus its ``max_new_tokens``. Tokens generated past a request's own
+  length are waste and are not counted.
+* HF continuous: transformers' continuous-batching manager with its paged cache held to the same
+  number of tokens, per-request ``max_new_tokens``.
+
+Throughput = requested output tokens / wall time. The model is a Llama built from a config with
+random weights (the cost of a forward pass does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
+
+from quire_engine.bench.workload import RequestLengths, sharegpt_like
+from quire_engine.sampling_params import SamplingParams
+from quire_engine.tiny_model import build_tokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--mean-prompt", type=float, default=128)
+    parser.add_argument("--mean-output", type=float, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--budget-seqs",
+        type=int,
+        default=8,
+        help="KV budget = this many contiguous max_model_len sequences",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--systems", default="quire,hf_static,hf_continuous", help="comma-separated subset to run"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="float32 on CPU, bfloat16 on CUDA")
+
+
+def bench_config(args: argparse.Namespace) -> LlamaConfig:
+    # ~23M parameters at the defaults: big enough that matmuls, not Python, dominate a step on
+    # 2 CPU cores, small enough that three systems finish in minutes.
+    hidden = args.hidden_size
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        max_position_embeddings=args.max_model_len,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    lengths = sharegpt_like(
+        args.num_requests,
+        mean_prompt=args.mean_prompt,
+        mean_output=args.mean_output,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [
+        torch.randint(1, args.vocab_size, (r.prompt,), generator=gen).tolist() for r in lengths
+    ]
+    budget = args.budget_seqs * args.max_model_len
+    device = torch.device(args.device)
+    if args.dtype == "auto":
+        args.dtype = "float32" if device.type == "cpu" else "bfloat16"
+    dtype = getattr(torch, args.dtype)
+    model = LlamaForCausalLM(bench_config(args)).eval().to(device=device, dtype=dtype)
+    systems = args.systems.split(",")
+    result: dict[str, Any] = {
+        "num_requests": len(lengths),
+        "output_tokens": sum(r.output for r in lengths),
+        "prompt_tokens": sum(r.prompt for r in lengths),
+        "kv_budget_tokens": budget,
+        "model_params": sum(p.numel() for p in model.parameters()),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": args.dtype,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if "quire" in systems:
+            result["quire_tok_s"] = _quire(model, Path(tmp), prompts, lengths, budget, args)
+        if "hf_static" in systems:
+            tok_s, waves = _hf_static(model, prompts, lengths, budget)
+            result["hf_static_tok_s"], result["hf_static_waves"] = tok_s, waves
+        if "hf_continuous" in systems:
+            result["hf_continuous_tok_s"] = _hf_continuous(model, prompts, lengths, budget, args)
+    if "quire_tok_s" in result:
+        for peer in ("hf_static", "hf_continuous"):
+            if f"{peer}_tok_s" in result:
+                ratio = result["quire_tok_s"] / result[f"{peer}_tok_s"]
+                result[f"ratio_vs_{peer.removeprefix('hf_')}"] = round(ratio, 2)
+    return result
+
+
+def _quire(
+    model: PreTrainedModel,
+    tmp: Path,
+    prompts: list[list[int]],
+    lengths: list[RequestLengths],
+    budget: int,
+    args: argparse.Namespace,
+) -> float:
+    from quire_engine.llm import LLM
+
+    path = tmp / "model"
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    llm = LLM(
+        str(path),
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=budget // args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
+    ]
+    llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != sum(r.output for r in lengths):
+        raise RuntimeError("quire produced the wrong number of tokens")
+    return round(produced / elapsed, 1)
+
+
+def _hf_static(
+    model: PreTrainedModel, prompts: list[list[int]], lengths: list[RequestLengths], budget: int
+) -> tuple[float, int]:
+    waves: list[list[int]] = []
+    for i, r in enumerate(lengths):
+        wave = waves[-1] if waves else None
+        if wave is not None:
+            longest = max(max(lengths[j].prompt for j in wave), r.prompt)
+            new = max(max(lengths[j].output for j in wave), r.output)
+            if (len(wave) + 1) * (longest + new) <= budget:
+                wave.append(i)
+                continue
+        waves.append([i])
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    _static_wave(model, [prompts[0]], 4, cfg)  # warm-up
+    t0 = time.perf_counter()
+    for wave in waves:
+        _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave), cfg)
+    elapsed = time.perf_counter() - t0
+    return round(sum(r.output for r in lengths) / elapsed, 1), len(waves)
+
+
+def _static_wave(
+    model: Any,  # PreTrainedModel; its generate() is untyped for mypy
+    prompts: list[list[int]],
+    max_new: int,
+    cfg: GenerationConfig,
+) -> None:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long, device=model.device)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[row, width - len(p) :] = torch.tensor(p, device=model.device)
+        mask[row, width - len(p) :] = 1
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=cfg, max_new_tokens=max_new
+        )
+
+
+def _hf_continuous(
+    model: Any,  # PreTrainedModel with transformers' continuous-batching mixin
+    prompts: list[list[int]],
+    lengths: list[RequestLengths],
+    budget: int,
+    args: argparse.Namespace,
+) -> float:
+    gen_cfg = GenerationConfig(
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        max_new_tokens=max(r.output for r in lengths),
+    )
+    cb_cfg = ContinuousBatchingConfig(
+        page_size=args.block_size,
+        num_blocks=budget // args.block_size,
+        max_batch_tokens=2048,
+    )
+    produced = 0
+    with model.continuous_batching_context_manager(
+        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
+    ) as manager:
+        t0 = time.perf_counter()
+        for p, r in zip(prompts, lengths, strict=True):
+            manager.add_request(p, max_new_tokens=r.output, eos_token_id=-1)
+        done = 0
+        while done < len(prompts):
+            res = manager.get_result(timeout=5)
+            if res is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped early")
+                continue
+            if res.is_finished():
+                done += 1
+                produced += len(res.generated_tokens)
+        elapsed = time.perf_counter() - t0
+    if produced != sum(r.output for r in lengths):
+        raise RuntimeError(
+            f"hf continuous produced {produced} tokens, expected {sum(r.output for r in lengths)}"
+        )
+    return round(produced / elapsed, 1)

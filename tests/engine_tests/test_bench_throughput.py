@@ -1,0 +1,47 @@
+"""``quire-engine bench throughput`` in CI size: every system runs the same requests to the exact
+token counts and the JSON has the documented keys (speed is measured by the benchmark, not
+asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from quire_engine.cli import main
+
+
+def test_throughput_bench_small(capsys: object) -> None:
+    args = [
+        "bench",
+        "throughput",
+        "--json",
+        "--num-requests",
+        "6",
+        "--mean-prompt",
+        "12",
+        "--mean-output",
+        "6",
+        "--max-model-len",
+        "64",
+        "--budget-seqs",
+        "2",
+        "--hidden-size",
+        "64",
+        "--layers",
+        "1",
+        "--vocab-size",
+        "300",
+    ]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[attr-defined]
+    for key in (
+        "quire_tok_s",
+        "hf_static_tok_s",
+        "hf_continuous_tok_s",
+        "ratio_vs_static",
+        "ratio_vs_continuous",
+        "kv_budget_tokens",
+        "model_params",
+    ):
+        assert key in out, key
+    assert out["kv_budget_tokens"] == 128 and out["num_requests"] == 6
+    assert out["quire_tok_s"] > 0 and out["hf_static_waves"] >= 1
