@@ -86,7 +86,7 @@ class LLMEngine:
         explicit = config.num_blocks is not None or config.kv_cache_memory is not None
         peak = None
         if self.device.type == "cuda" and not explicit:
-            peak = profile_peak_memory(loaded.model, batched, self.device)
+            peak = profile_peak_memory(loaded.model, batched, config.max_num_seqs, self.device)
         num_blocks = size_pool(
             shape=shape,
             device=self.device,

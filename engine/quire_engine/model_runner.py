@@ -201,8 +201,11 @@ def size_pool(
     return blocks
 
 
-def profile_peak_memory(model: PreTrainedModel, num_tokens: int, device: torch.device) -> int:
-    """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens.
+def profile_peak_memory(
+    model: PreTrainedModel, num_tokens: int, num_logit_rows: int, device: torch.device
+) -> int:
+    """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens that
+    computes ``num_logit_rows`` rows of logits (one per sequence that may sample in a step).
 
     Runs with transformers' own SDPA attention: the paged cache does not exist yet, and the
     activation peak of the MLP and logits dominates the attention's."""
@@ -213,7 +216,8 @@ def profile_peak_memory(model: PreTrainedModel, num_tokens: int, device: torch.d
     try:
         with torch.inference_mode():
             ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            rows = torch.arange(min(num_logit_rows, num_tokens), device=device)
+            model(input_ids=ids, use_cache=False, logits_to_keep=rows)
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
     finally:
