@@ -55,20 +55,16 @@ def paged_attention_forward(
         raise ValueError("the quire attention needs quire_metadata (call through ModelRunner)")
     k_cache, v_cache = md.kv_caches[module.layer_idx]  # type: ignore[index]
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
-    q = query[0].transpose(0, 1).contiguous()  # [T, heads, D]
+    q = query[0].transpose(0, 1)  # [T, heads, D]; the kernels need only head_dim contiguous
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    attend = paged_attention if md.use_triton else paged_attention_reference
-    out = attend(
-        q,
-        k_cache,
-        v_cache,
-        md.block_tables,
-        md.seq_lens,
-        md.query_start_loc,
-        scale,
-        max_query_len=md.max_query_len,
-        max_seq_len=md.max_seq_len,
-    )
+    args = (q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+    if md.use_triton:
+        out = paged_attention(*args, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
+    else:
+        # The runner zero-initialises its pools and writes only model K/V into them.
+        out = paged_attention_reference(
+            *args, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, finite_cache=True
+        )
     return out.unsqueeze(0), None  # [1, T, heads, D]
 
 

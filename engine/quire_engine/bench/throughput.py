@@ -179,11 +179,10 @@ def _hf_static(
                 wave.append(i)
                 continue
         waves.append([i])
-    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
-    _static_wave(model, [prompts[0]], 4, cfg)  # warm-up
+    _static_wave(model, [prompts[0]], 4)  # warm-up
     t0 = time.perf_counter()
     for wave in waves:
-        _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave), cfg)
+        _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave))
     elapsed = time.perf_counter() - t0
     return round(sum(r.output for r in lengths) / elapsed, 1), len(waves)
 
@@ -192,7 +191,6 @@ def _static_wave(
     model: Any,  # PreTrainedModel; its generate() is untyped for mypy
     prompts: list[list[int]],
     max_new: int,
-    cfg: GenerationConfig,
 ) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long, device=model.device)
@@ -201,9 +199,10 @@ def _static_wave(
         ids[row, width - len(p) :] = torch.tensor(p, device=model.device)
         mask[row, width - len(p) :] = 1
     with torch.inference_mode():
-        model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=cfg, max_new_tokens=max_new
+        cfg = GenerationConfig(
+            do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max_new
         )
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
 
 
 def _hf_continuous(

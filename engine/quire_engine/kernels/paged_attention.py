@@ -489,8 +489,13 @@ def paged_attention_reference(
     *,
     max_query_len: int,
     max_seq_len: int,
+    finite_cache: bool = False,
 ) -> torch.Tensor:
     """Same semantics as :func:`paged_attention` in plain torch (fp32 math); the CPU path.
+
+    ``finite_cache=True`` promises that every slot of the pools holds finite values (the engine
+    zero-initialises its caches and only writes model K/V into them), which skips zeroing the
+    V slots past each sequence's end.
 
     Decode sequences (one query token) run batched: their blocks are gathered into a padded
     ``[n, padded_len, kv_heads, D]`` context, masked by length, in one SDPA call per chunk of
@@ -523,11 +528,13 @@ def paged_attention_reference(
             k = _gather(k_cache, tables[seqs, :num_blocks])  # [n, padded, kv_heads, D]
             v = _gather(v_cache, tables[seqs, :num_blocks])
             visible = torch.arange(padded, device=q.device) < seq_lens[seqs, None]  # [n, padded]
-            # Slots past a sequence's end hold whatever the pool held (torch.empty bits, NaN
-            # included): zero them, or a masked-out NaN would leak through 0 * NaN in P @ V.
-            hidden = (~visible).flatten().nonzero().squeeze(1)
-            k.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
-            v.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
+            if not finite_cache:
+                # Slots past a sequence's end hold whatever the pool held (torch.empty bits, NaN
+                # included): zero them, or a masked-out NaN leaks through (SDPA adds the mask to
+                # NaN scores, and 0 * NaN in P @ V).
+                hidden = (~visible).flatten().nonzero().squeeze(1)
+                k.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
+                v.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
             o = F.scaled_dot_product_attention(
                 q[rws].float().unsqueeze(2),  # [n, heads, 1, D]
                 k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
