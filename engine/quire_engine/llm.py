@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from dataclasses import fields
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
 
 from quire_engine.block_pool import PoolStats
-from quire_engine.config import EngineConfig, PreemptionMode
+from quire_engine.config import EngineConfig
 from quire_engine.engine import LLMEngine
 from quire_engine.outputs import RequestOutput
 from quire_engine.sampling_params import SamplingParams
@@ -19,46 +23,19 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        swap_space: float = 4.0,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        seed: int = 0,
-    ) -> None:
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                preemption_mode=PreemptionMode.parse(preemption_mode),
-                swap_space=swap_space,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                device=device,
-                dtype=dtype,
-                seed=seed,
-            )
-        )
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """``engine_args`` are the fields of ``EngineConfig`` (the serve flags in snake_case):
+        block_size, num_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
+        preemption_mode, swap_space, max_num_seqs, max_num_batched_tokens, max_model_len,
+        device, dtype, seed. An unknown name raises ``ValueError``."""
+        unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(

@@ -113,6 +113,11 @@ def test_bad_prompts_and_engine_keeps_running(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
+def test_unknown_engine_argument() -> None:
+    with pytest.raises(ValueError, match="unknown engine arguments: blocksize"):
+        LLM(blocksize=16)
+
+
 def test_params_list_must_match_prompts(llm: LLM) -> None:
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
