@@ -1,8 +1,9 @@
-"""``quire-engine`` command line: ``bench <name>`` today, ``serve`` once the server exists.
+"""``quire-engine`` command line: ``serve`` (the OpenAI-compatible server) and ``bench <name>``.
 
 Each benchmark lives in ``quire_engine.bench.<name>`` and exposes ``add_arguments(parser)`` and
-``run(args) -> dict``; the CLI prints the dict as one JSON object. Modules are imported lazily so
-``bench allocator`` never imports torch.
+``run(args) -> dict``; the CLI prints the dict as one JSON object. ``serve`` lives in
+``quire_engine.serve`` with ``add_arguments(parser)`` and ``run(args) -> exit code``. Modules are
+imported lazily so ``bench allocator`` never imports torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ BENCHES = {
     "scheduler": "microseconds per schedule() step with many running sequences",
     "kernel": "paged decode attention bandwidth vs torch SDPA (CUDA)",
     "throughput": "offline throughput vs transformers static and continuous batching",
+    "serve": "load generator against a running server: Poisson arrivals, TTFT/TPOT/ITL",
 }
 
 
@@ -27,6 +29,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     selected = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
     parser = argparse.ArgumentParser(prog="quire-engine", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    serve_help = "serve the OpenAI-compatible HTTP API (default: the embedded tiny model)"
+    serve = commands.add_parser("serve", help=serve_help, description=serve_help)
+    if argv and argv[0] == "serve":
+        importlib.import_module("quire_engine.serve").add_arguments(serve)
     bench = commands.add_parser("bench", help="run a benchmark and print JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHES.items():
@@ -40,6 +46,13 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
+    if args.command == "serve":
+        serve = importlib.import_module("quire_engine.serve")
+        try:
+            return int(serve.run(args))
+        except ValueError as exc:
+            print(f"quire-engine: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "bench":
         module = importlib.import_module(f"quire_engine.bench.{args.bench}")
         try:

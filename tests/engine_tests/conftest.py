@@ -11,10 +11,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from quire_engine.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from tests.engine_tests.server_harness import RunningServer
 
 _live_pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
 
@@ -52,3 +56,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("models")
     return {arch: build(arch, root / arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    """The embedded model behind real uvicorn on a loopback port, shared by the server tests.
+    Every test must leave it idle (the pool check above runs after each test)."""
+    from tests.engine_tests.server_harness import serve, tiny_settings
+
+    with serve(tiny_settings()) as running:
+        yield running

@@ -1,0 +1,229 @@
+"""Online serving benchmark against a running OpenAI-compatible server (``quire-engine serve`` or
+any other), in the manner of vLLM's ``bench serve``.
+
+Requests go to ``/v1/completions`` as token-id prompts (so prompt lengths are exact whatever the
+tokenizer) with ShareGPT-like log-normal lengths (``bench.workload``), greedy, ``ignore_eos`` (so
+each request generates exactly its sampled output length), streamed with usage. They are sent
+with Poisson arrivals at ``--request-rate`` (``inf``: all at once), optionally capped at
+``--max-concurrency`` in flight.
+
+Per request, measured on the client: TTFT (send -> first streamed chunk), ITL (gaps between
+chunks), TPOT ((e2e - TTFT) / (output tokens - 1)), e2e (send -> ``[DONE]``). Output token counts
+come from the server's usage chunk. A request fails on a non-200 status, an error event, a
+transport error or a missing usage chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+
+from quire_engine.bench.workload import RequestLengths, random_tokens, sharegpt_like
+
+MAX_ERRORS_REPORTED = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    parser.add_argument("--mean-prompt-len", type=float, default=200.0)
+    parser.add_argument("--mean-output-len", type=float, default=180.0)
+    parser.add_argument("--sigma", type=float, default=0.9, help="log-normal shape (tail)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="prompt token ids are drawn below this (256 suits the embedded byte tokenizer)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("QUIRE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer token [env QUIRE_API_KEY or OPENAI_API_KEY]",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+
+@dataclass(slots=True)
+class _Result:
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1; got {args.num_prompts}")
+    if not args.request_rate > 0:
+        raise ValueError(f"request_rate must be > 0; got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1; got {args.max_concurrency}")
+    return asyncio.run(_bench(args))
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # One connection per request in flight, as real clients behave; no pool limit of our own.
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx2.Timeout(args.timeout, connect=30.0)
+    async with httpx2.AsyncClient(
+        base_url=args.url.rstrip("/"), headers=headers, limits=limits, timeout=timeout
+    ) as client:
+        model, max_model_len = await _model(client, args.model)
+        lengths = sharegpt_like(
+            args.num_prompts,
+            mean_prompt=args.mean_prompt_len,
+            mean_output=args.mean_output_len,
+            sigma=args.sigma,
+            max_model_len=max_model_len,
+            seed=args.seed,
+        )
+        rng = random.Random(args.seed)
+        prompts = [random_tokens(rng, length.prompt, args.vocab_size) for length in lengths]
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        start = time.perf_counter()
+        tasks = []
+        for prompt, length in zip(prompts, lengths, strict=True):
+            tasks.append(asyncio.create_task(_request(client, model, prompt, length, gate)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return _report(args, model, results, duration)
+
+
+async def _model(client: httpx2.AsyncClient, model: str | None) -> tuple[str, int]:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    cards = response.json()["data"]
+    card = next((c for c in cards if c["id"] == model), cards[0])
+    # max_model_len is a vLLM/Quire extension of the model card; 2048 when a server lacks it.
+    return model or card["id"], int(card.get("max_model_len") or 2048)
+
+
+async def _request(
+    client: httpx2.AsyncClient,
+    model: str,
+    prompt: list[int],
+    length: RequestLengths,
+    gate: asyncio.Semaphore | None,
+) -> _Result:
+    result = _Result(prompt_tokens=len(prompt))
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": length.output,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with gate or contextlib.nullcontext():
+        sent = last = time.perf_counter()
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    result.error = f"HTTP {response.status_code}: {text[:200]}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        result.error = str(event["error"].get("message"))
+                        return result
+                    now = time.perf_counter()
+                    if event.get("usage"):
+                        result.prompt_tokens = event["usage"]["prompt_tokens"]
+                        result.output_tokens = event["usage"]["completion_tokens"]
+                    if not event.get("choices"):
+                        continue
+                    if result.ttft is None:
+                        result.ttft = now - sent
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+        except httpx2.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.e2e = time.perf_counter() - sent
+    if result.ttft is None or not result.output_tokens:
+        result.error = "the stream ended without tokens or usage"
+    return result
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _summary(name: str, seconds: list[float]) -> dict[str, float | None]:
+    ms = [s * 1000 for s in seconds]
+    if not ms:
+        return {f"mean_{name}_ms": None, f"p50_{name}_ms": None, f"p99_{name}_ms": None}
+    return {
+        f"mean_{name}_ms": round(sum(ms) / len(ms), 2),
+        f"p50_{name}_ms": round(_percentile(ms, 50), 2),
+        f"p99_{name}_ms": round(_percentile(ms, 99), 2),
+    }
+
+
+def _report(
+    args: argparse.Namespace, model: str, results: list[_Result], duration: float
+) -> dict[str, Any]:
+    done = [r for r in results if r.error is None]
+    failed = [r for r in results if r.error is not None]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    tpots = [
+        (r.e2e - r.ttft) / (r.output_tokens - 1)
+        for r in done
+        if r.e2e is not None and r.ttft is not None and r.output_tokens > 1
+    ]
+    report: dict[str, Any] = {
+        "url": args.url,
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+        "completed": len(done),
+        "failed": len(failed),
+        "duration_s": round(duration, 3),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": round(len(done) / duration, 3),
+        "output_throughput": round(output_tokens / duration, 2),
+        "total_token_throughput": round((input_tokens + output_tokens) / duration, 2),
+    }
+    report.update(_summary("ttft", [r.ttft for r in done if r.ttft is not None]))
+    report.update(_summary("tpot", tpots))
+    report.update(_summary("itl", [gap for r in done for gap in r.itls]))
+    report.update(_summary("e2e", [r.e2e for r in done if r.e2e is not None]))
+    report["errors"] = [r.error for r in failed[:MAX_ERRORS_REPORTED]]
+    return report

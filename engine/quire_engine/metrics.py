@@ -1,0 +1,252 @@
+"""Prometheus metrics of the server: every metric of design.md declared once, plus the recorder
+that feeds them from the engine thread.
+
+``ServerMetrics`` owns one ``CollectorRegistry`` per app (never the global one), so tests and
+benchmarks can build several servers in one process. Every series carries ``model_name``.
+
+``StatsRecorder`` is owned by the engine thread (see ``async_engine``): it is the only writer, and
+it reads the scheduler and the pool only from that thread, right after a step or after commands
+were applied, so the gauges describe a consistent state. prometheus-client's own locks make the
+scrape from the event-loop thread safe. The recorder also writes the one log line per finished
+request and the (rate-limited) preemption warnings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from quire_engine.config import PreemptionMode
+from quire_engine.outputs import RequestOutput
+from quire_engine.scheduler import Scheduler
+from quire_engine.sequence import SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+# Buckets for LLM serving: a decode step is milliseconds on a GPU and tens of milliseconds on a
+# CPU; a first token waits for the queue and a whole prefill (up to seconds under load); a request
+# lives seconds to minutes.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+# A warning per preemption would flood the log exactly when the server is overloaded.
+PREEMPTION_WARNING_INTERVAL_S = 10.0
+
+
+class ServerMetrics:
+    """The metric objects, already bound to this server's ``model_name``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        name = ["model_name"]
+
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(metric, doc, name, registry=reg).labels(model_name)
+
+        def counter(metric: str, doc: str) -> Counter:
+            return Counter(metric, doc, name, registry=reg).labels(model_name)
+
+        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(metric, doc, name, buckets=buckets, registry=reg).labels(model_name)
+
+        self.kv_usage = gauge("quire_kv_cache_usage_ratio", "Used KV blocks / total blocks (0-1).")
+        self.kv_blocks_total = gauge("quire_kv_blocks_total", "KV blocks in the device pool.")
+        self.kv_blocks_free = gauge(
+            "quire_kv_blocks_free", "Unreferenced KV blocks (including cached prefixes)."
+        )
+        self.running = gauge("quire_num_requests_running", "Sequences running on the device.")
+        self.waiting = gauge("quire_num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.swapped = gauge("quire_num_requests_swapped", "Sequences swapped out to CPU.")
+        self._preemptions = Counter(
+            "quire_preemptions_total",
+            "Sequences preempted because the KV pool ran dry.",
+            ["model_name", "mode"],
+            registry=reg,
+        )
+        self.preemptions = {
+            mode: self._preemptions.labels(model_name, mode.value) for mode in PreemptionMode
+        }
+        self.prefix_queries = counter(
+            "quire_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "quire_prefix_cache_hits_total", "Prompt tokens found in the prefix cache."
+        )
+        self.prompt_tokens = counter("quire_prompt_tokens_total", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("quire_generation_tokens_total", "Generated tokens.")
+        self._success = Counter(
+            "quire_request_success_total",
+            "Finished requests by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.ttft = histogram(
+            "quire_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "quire_inter_token_latency_seconds", "Time between tokens of a sample.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "quire_e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS
+        )
+        self.queue_time = histogram(
+            "quire_request_queue_time_seconds", "Arrival to first scheduled.", QUEUE_BUCKETS
+        )
+        for reason in ("stop", "length", "abort"):  # export zeros before the first request
+            self._success.labels(model_name, reason)
+
+    def success(self, reason: str) -> Counter:
+        return self._success.labels(self.model_name, reason)
+
+
+@dataclass(slots=True)
+class _Timeline:
+    """What the recorder remembers of one live engine request (one prompt)."""
+
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: dict[int, float] = field(default_factory=dict)  # per sample index
+    seen: dict[int, int] = field(default_factory=dict)  # tokens already counted, per sample
+
+
+class StatsRecorder:
+    """Turns engine steps into metric updates and log lines. Engine thread only."""
+
+    def __init__(self, metrics: ServerMetrics, scheduler: Scheduler) -> None:
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self._live: dict[str, _Timeline] = {}  # timestamps are time.monotonic() seconds
+        self._queued: dict[str, _Timeline] = {}  # live and never scheduled yet
+        # Counters in the scheduler and the pool are cumulative (and include the warmup request):
+        # only their growth since the last look is added to the Prometheus counters.
+        self._seen_preemptions = dict(scheduler.num_preemptions)
+        self._seen_queries = scheduler.kv.prefix_queries
+        self._seen_hits = scheduler.kv.prefix_hits
+        self._unreported: dict[PreemptionMode, int] = dict.fromkeys(PreemptionMode, 0)
+        self._last_warning = float("-inf")
+        self.refresh()
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
+        line = _Timeline(arrival, num_prompt_tokens)
+        self._live[request_id] = self._queued[request_id] = line
+
+    def aborted(self, request_id: str, now: float) -> None:
+        self._queued.pop(request_id, None)
+        line = self._live.pop(request_id, None)
+        if line is not None:
+            self.metrics.success("abort").inc()
+            self._log_finished(request_id, line, "abort", now)
+
+    def step(self, outputs: list[RequestOutput], start: float, end: float) -> None:
+        """Account for one ``engine.step()`` that ran from ``start`` to ``end``."""
+        m = self.metrics
+        progressed = {out.request_id for out in outputs}
+        for rid in [r for r in self._queued if r in progressed or self._left_queue(r)]:
+            m.queue_time.observe(max(0.0, start - self._queued.pop(rid).arrival))
+        for out in outputs:
+            line = self._live.get(out.request_id)
+            if line is None:
+                continue
+            new_tokens = 0
+            for sample in out.outputs:
+                count = len(sample.token_ids)
+                fresh = count - line.seen.get(sample.index, 0)
+                if fresh <= 0:
+                    continue
+                new_tokens += fresh
+                line.seen[sample.index] = count
+                previous = line.last_token.get(sample.index)
+                if previous is not None:
+                    m.itl.observe(end - previous)
+                line.last_token[sample.index] = end
+            if new_tokens and line.first_token is None:
+                line.first_token = end
+                m.ttft.observe(end - line.arrival)
+                m.prompt_tokens.inc(line.num_prompt_tokens)
+            m.generation_tokens.inc(new_tokens)
+            if out.finished:
+                del self._live[out.request_id]
+                reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+                m.e2e.observe(end - line.arrival)
+                m.success(reason).inc()
+                self._log_finished(out.request_id, line, reason, end)
+        self._count_cache_and_preemptions(end)
+
+    def refresh(self) -> None:
+        """Gauges from the current scheduler and pool state."""
+        m = self.metrics
+        sched = self.scheduler
+        stats = sched.kv.stats()
+        m.kv_usage.set(stats.usage)
+        m.kv_blocks_total.set(stats.total)
+        m.kv_blocks_free.set(stats.free)
+        m.running.set(sched.num_running)
+        m.waiting.set(sched.num_waiting)
+        m.swapped.set(sched.num_swapped)
+
+    def _left_queue(self, request_id: str) -> bool:
+        # The engine names a request's first sequence "<request_id>/0"; it leaves WAITING when the
+        # scheduler first gives it blocks (possibly for the first chunk of a chunked prefill).
+        seq = self.scheduler.seqs.get(f"{request_id}/0")
+        return seq is None or seq.status is not SequenceStatus.WAITING
+
+    def _count_cache_and_preemptions(self, now: float) -> None:
+        m = self.metrics
+        kv = self.scheduler.kv
+        m.prefix_queries.inc(kv.prefix_queries - self._seen_queries)
+        m.prefix_hits.inc(kv.prefix_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = kv.prefix_queries, kv.prefix_hits
+        for mode, total in self.scheduler.num_preemptions.items():
+            fresh = total - self._seen_preemptions[mode]
+            if fresh:
+                m.preemptions[mode].inc(fresh)
+                self._unreported[mode] += fresh
+                self._seen_preemptions[mode] = total
+        if any(self._unreported.values()) and (
+            now - self._last_warning >= PREEMPTION_WARNING_INTERVAL_S
+        ):
+            self._last_warning = now
+            counts = ", ".join(f"{mode.value}={n}" for mode, n in self._unreported.items())
+            totals = ", ".join(
+                f"{mode.value}={n}" for mode, n in self.scheduler.num_preemptions.items()
+            )
+            stats = kv.stats()
+            logger.warning(
+                "KV cache full: preempted %s since the last warning (total %s); running=%d "
+                "waiting=%d swapped=%d kv_usage=%.2f. Sustained preemption means overload: "
+                "add replicas or KV memory, or lower --max-num-seqs",
+                counts,
+                totals,
+                self.scheduler.num_running,
+                self.scheduler.num_waiting,
+                self.scheduler.num_swapped,
+                stats.usage,
+            )
+            self._unreported = dict.fromkeys(PreemptionMode, 0)
+
+    @staticmethod
+    def _log_finished(request_id: str, line: _Timeline, reason: str, now: float) -> None:
+        ttft = "-" if line.first_token is None else f"{line.first_token - line.arrival:.3f}s"
+        logger.info(
+            "request %s finished: reason=%s prompt_tokens=%d generation_tokens=%d ttft=%s "
+            "e2e=%.3fs",
+            request_id,
+            reason,
+            line.num_prompt_tokens,
+            sum(line.seen.values()),
+            ttft,
+            now - line.arrival,
+        )

@@ -1,0 +1,190 @@
+"""OpenAI's wire format, inbound: request models validated at the edge, and the error type.
+
+Only this module, ``rendering`` (outbound) and ``server`` know OpenAI's JSON; behind them
+everything is token ids and ``SamplingParams``. Requests accept vLLM's sampling extensions
+(``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``) so the
+openai client's ``extra_body`` works as with vLLM. Unknown fields are ignored (and logged), as
+vLLM does, because clients send fields of newer API versions; fields whose meaning Quire cannot
+honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, non-text content) are rejected instead of
+being dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quire_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> Json:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.model_extra:
+            logger.warning("ignored request fields: %s", ", ".join(sorted(self.model_extra)))
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        # vLLM spells "no top-k limit" as -1 (and 0); SamplingParams as None.
+        top_k = None if self.top_k in (None, 0, -1) else self.top_k
+        kwargs: Json = {
+            "n": self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": top_k,
+            "min_p": self.min_p or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "max_tokens": max_tokens,
+            "stop": self.stop or (),
+            "stop_token_ids": self.stop_token_ids or (),
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "logprobs": logprobs,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            # SamplingParams names the field first ("temperature must be >= 0; got -1").
+            field = str(exc).split(" ", 1)[0]
+            raise OpenAIError(400, str(exc), param=field if field in kwargs else None) from exc
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
+        prompt = self.prompt
+        if not prompt:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]  # one text or one list of token ids
+        prompts: list[str | list[int]] = [*prompt]
+        return prompts
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Json] | None = None
+    response_format: Json | None = None
+    add_generation_prompt: bool = True  # vLLM's extension
+
+    def conversation(self) -> list[dict[str, str]]:
+        if self.tools:
+            raise OpenAIError(400, "tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIError(
+                400, "only response_format type 'text' is supported", param="response_format"
+            )
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,116 @@
+"""A real uvicorn server on a free loopback port, run in a thread of the test process.
+
+In-process on purpose: the autouse pool check of ``conftest`` then sees the server's KV pool, so a
+request that a test leaves holding blocks fails that test. The socket is bound here (port 0) and
+handed to uvicorn, so there is no race for a free port.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from quire_engine.async_engine import AsyncEngine
+from quire_engine.config import EngineConfig
+from quire_engine.server import ServerSettings, create_app
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: AsyncEngine
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        kwargs.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=self.base_url, max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
+        kwargs.setdefault("api_key", "unused")
+        return openai.AsyncOpenAI(base_url=self.base_url, max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def metrics(self) -> Samples:
+        """Every sample of /metrics: (name, sorted labels without model_name) -> value."""
+        text = httpx2.get(f"{self.url}/metrics").text
+        out: Samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = tuple(
+                    sorted((k, v) for k, v in sample.labels.items() if k != "model_name")
+                )
+                out[(sample.name, labels)] = sample.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics()[(name, tuple(sorted(labels.items())))]
+
+    def wait_until(self, predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not after {timeout} s")
+            time.sleep(0.02)
+
+    def wait_until_ready(self) -> None:
+        self.wait_until(lambda: httpx2.get(f"{self.url}/ready").status_code == 200, "ready")
+
+    def wait_until_idle(self) -> Samples:
+        """Poll /metrics until no request runs or waits and every block is free."""
+
+        def idle() -> bool:
+            m = self.metrics()
+            return (
+                m[("quire_num_requests_running", ())] == 0
+                and m[("quire_num_requests_waiting", ())] == 0
+                and m[("quire_kv_blocks_free", ())] == m[("quire_kv_blocks_total", ())]
+            )
+
+        self.wait_until(idle, "idle")
+        return self.metrics()
+
+
+def tiny_settings(engine: dict[str, Any] | None = None, **server: Any) -> ServerSettings:
+    """The embedded model on CPU with a small pool; ``engine`` overrides ``EngineConfig`` fields,
+    the keywords ``ServerSettings`` fields."""
+    config = {"device": "cpu", "num_blocks": 256, "max_model_len": 256, "max_num_seqs": 64}
+    return ServerSettings(engine=EngineConfig(**(config | (engine or {}))), **server)
+
+
+@contextmanager
+def serve(settings: ServerSettings, *, wait_ready: bool = True) -> Iterator[RunningServer]:
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    running = RunningServer(f"http://127.0.0.1:{port}", app.state.engine)
+    try:
+        running.wait_until(lambda: server.started or not thread.is_alive(), "uvicorn started")
+        if not server.started:
+            raise RuntimeError("uvicorn did not start")
+        if wait_ready:
+            running.wait_until_ready()
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
