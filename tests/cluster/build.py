@@ -150,6 +150,18 @@ def missing_binaries() -> list[str]:
     return missing
 
 
+def _missing_components() -> list[str]:
+    """Cache components (keys of MODULES) with at least one file missing, in build order."""
+    planned = _planned()
+    files = {
+        "k8s": [planned[name] for name in K8S_BINARIES],
+        "etcd": [planned["etcd"]],
+        "kwok": [planned["kwok"], _assemble(planned).kwok_stages],
+        "helm": [planned["helm"]],
+    }
+    return [component for component, paths in files.items() if not all(map(Path.is_file, paths))]
+
+
 def find_binaries() -> Binaries | None:
     """The cached binaries if every one is present, without building anything."""
     return None if missing_binaries() else _assemble(_planned())
@@ -177,20 +189,7 @@ def ensure_binaries(log: Log | None = None) -> Binaries:
     # Two pytest sessions (or pytest and `python -m tests.cluster`) may start a cold build at
     # once; the lock makes the second wait and then find everything cached.
     with _locked(cache_root() / ".build.lock"):
-        planned = _planned()
-        needed = [
-            component
-            for component, missing in (
-                ("k8s", not all(planned[name].is_file() for name in K8S_BINARIES)),
-                ("etcd", not planned["etcd"].is_file()),
-                (
-                    "kwok",
-                    not planned["kwok"].is_file() or not _assemble(planned).kwok_stages.is_file(),
-                ),
-                ("helm", not planned["helm"].is_file()),
-            )
-            if missing
-        ]
+        needed = _missing_components()
         builder = _Builder(go, say)
         # Fetch every module and check its Go requirement before compiling anything, so an
         # old Go fails in seconds with the highest version needed, not after a 10-minute build.
@@ -265,10 +264,10 @@ class _Builder:
         staging_version = f"v0.{minor}.{patch}"
         replaces = "".join(f"replace {mod} => {mod} {staging_version}\n" for mod in staging)
         packages = [f"k8s.io/kubernetes/cmd/{name}" for name in K8S_BINARIES]
-        # What `kubectl version` and the API server's /version report; the release scripts set
-        # the same variables (the defaults say v0.0.0-master, which confuses version checks).
         # The release's tag time, from the proxy's .info file: reproducible, unlike "now".
         build_date = json.loads(Path(info["Info"]).read_text()).get("Time", "1970-01-01T00:00:00Z")
+        # What `kubectl version` and the API server's /version report; the release scripts set
+        # the same variables (the defaults say v0.0.0-master, which confuses version checks).
         ldflags = ["-s", "-w"]
         for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
             ldflags += [

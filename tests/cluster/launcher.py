@@ -33,7 +33,18 @@ from typing import Any
 from .build import Binaries
 from .nodes import KWOK_ANNOTATION_SELECTOR, fake_nodes
 from .pki import make_pki
-from .process import ClusterError, ManagedProcess, free_port, shm_dir, wait_until
+from .process import (
+    ClusterError,
+    ManagedProcess,
+    claim,
+    free_port,
+    shm_dir,
+    sweep_stale,
+    wait_until,
+)
+
+_WORKDIR_PREFIX = "quire-cluster-"  # the logs dir shares it but has no owner file: never swept
+_ETCD_PREFIX = "quire-etcd-"
 
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the first address: the `kubernetes` Service's ClusterIP
@@ -72,10 +83,13 @@ class ControlPlane:
     def __init__(self, binaries: Binaries, *, startup_timeout_s: float = 90.0) -> None:
         self.binaries = binaries
         self.startup_timeout_s = startup_timeout_s
-        self.workdir = Path(tempfile.mkdtemp(prefix="quire-cluster-"))
-        self.log_dir = Path(tempfile.mkdtemp(prefix="quire-cluster-logs-"))
         shm = shm_dir()
-        self.etcd_dir = Path(tempfile.mkdtemp(prefix="quire-etcd-", dir=shm or self.workdir))
+        sweep_stale(Path(tempfile.gettempdir()), _WORKDIR_PREFIX)
+        if shm is not None:
+            sweep_stale(shm, _ETCD_PREFIX)
+        self.workdir = claim(Path(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX)))
+        self.log_dir = Path(tempfile.mkdtemp(prefix="quire-cluster-logs-"))
+        self.etcd_dir = claim(Path(tempfile.mkdtemp(prefix=_ETCD_PREFIX, dir=shm or self.workdir)))
         self.kubeconfig = self.workdir / "kubeconfig"
         self.processes: list[ManagedProcess] = []
         self.server = ""

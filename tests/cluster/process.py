@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,3 +141,33 @@ def shm_dir() -> Path | None:
     """``/dev/shm`` when it is a writable tmpfs-like directory (etcd data lives there)."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+# Marks a scratch dir with the pid of the Python process that owns it (see sweep_stale).
+_OWNER_FILE = ".owner-pid"
+
+
+def claim(directory: Path) -> Path:
+    """Record this process as the owner of ``directory``; returns it."""
+    (directory / _OWNER_FILE).write_text(str(os.getpid()))
+    return directory
+
+
+def sweep_stale(parent: Path, prefix: str) -> None:
+    """Delete ``parent/prefix*`` dirs whose owning process is gone.
+
+    A SIGKILLed pytest cannot clean up; its components die with it (PDEATHSIG) but its dirs
+    would stay, and on /dev/shm they hold RAM. Dirs without an owner file (kept logs, or one
+    being created right now) are left alone.
+    """
+    for candidate in parent.glob(f"{prefix}*"):
+        try:
+            pid = int((candidate / _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(candidate, ignore_errors=True)
+        except PermissionError:  # alive, owned by another user
+            continue
