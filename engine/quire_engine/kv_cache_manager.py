@@ -30,18 +30,30 @@ from quire_engine.sequence import Sequence
 
 class _Table:
     """One sequence's device blocks (``blocks``) and their ids (``ids``, shared read-only with
-    scheduler outputs), plus how many leading blocks were already offered to the prefix cache."""
+    scheduler outputs), plus how many leading blocks were already offered to the prefix cache.
 
-    __slots__ = ("blocks", "ids", "num_cached")
+    ``capacity`` (slots held), ``publish_at`` (the token count that fills the next unpublished
+    block) and ``forked`` (whether any block may be shared with a sibling) are kept so that the
+    decode fast path of ``allocate_slots`` is three comparisons."""
 
-    def __init__(self) -> None:
+    __slots__ = ("block_size", "blocks", "capacity", "forked", "ids", "num_cached", "publish_at")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.blocks: list[Block] = []
         self.ids: list[int] = []
-        self.num_cached = 0
+        self.capacity = 0
+        self.forked = False
+        self.set_cached(0)
 
     def append(self, block: Block) -> None:
         self.blocks.append(block)
         self.ids.append(block.block_id)
+        self.capacity += self.block_size
+
+    def set_cached(self, num_cached: int) -> None:
+        self.num_cached = num_cached
+        self.publish_at = (num_cached + 1) * self.block_size
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
@@ -135,16 +147,17 @@ class KVCacheManager:
         end = start + num_new_tokens
         if table is not None:
             # Fast path (the common decode step): the slots exist and the tail block is private.
-            blocks = table.blocks
-            num_held = len(blocks)
             if (
-                end <= num_held * bs
+                end <= table.capacity
                 and not computed
-                and (start % bs == 0 or blocks[start // bs].ref_count == 1)
+                and (
+                    not table.forked or start % bs == 0 or table.blocks[start // bs].ref_count == 1
+                )
             ):
-                if end // bs > table.num_cached:  # this step fills a block: publish it
+                if end >= table.publish_at:  # this step fills a block: publish it
                     self._publish(seq, table, end // bs)
                 return table.ids
+            num_held = len(table.blocks)
         else:
             num_held = 0
         computed = computed or []
@@ -166,13 +179,13 @@ class KVCacheManager:
             return None
 
         if table is None:
-            table = self._tables[seq.seq_id] = _Table()
+            table = self._tables[seq.seq_id] = _Table(bs)
         if computed:
             for block in computed:
                 self.pool.touch(block)
                 table.append(block)
             seq.num_computed_tokens = start
-            table.num_cached = len(computed)
+            table.set_cached(len(computed))
         if cow:
             i = start // bs
             shared = table.blocks[i]
@@ -183,7 +196,7 @@ class KVCacheManager:
             self.pending_copies.append((shared.block_id, private.block_id))
         for _ in range(needed):
             table.append(self.pool.allocate())
-        if end // bs > table.num_cached:
+        if end >= table.publish_at:
             self._publish(seq, table, end // bs)
         return table.ids
 
@@ -193,13 +206,11 @@ class KVCacheManager:
 
     def _publish(self, seq: Sequence, table: _Table, num_full: int) -> None:
         """Offer the sequence's first ``num_full`` (full) blocks to the prefix cache."""
-        if not self.pool.enable_prefix_caching:
-            table.num_cached = num_full
-            return
-        hashes = self.block_hashes(seq, num_full)
-        for i in range(table.num_cached, num_full):
-            self.pool.cache_block(table.blocks[i], hashes[i])
-        table.num_cached = num_full
+        if self.pool.enable_prefix_caching:
+            hashes = self.block_hashes(seq, num_full)
+            for i in range(table.num_cached, num_full):
+                self.pool.cache_block(table.blocks[i], hashes[i])
+        table.set_cached(num_full)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (ref + 1 each); writes diverge by CoW."""
@@ -208,11 +219,12 @@ class KVCacheManager:
         src = self._tables.get(parent.seq_id)
         if src is None:
             raise ValueError(f"sequence {parent.seq_id!r} holds no device blocks to fork")
-        table = self._tables[child.seq_id] = _Table()
+        table = self._tables[child.seq_id] = _Table(self.block_size)
         for block in src.blocks:
             self.pool.touch(block)
             table.append(block)
-        table.num_cached = src.num_cached
+        table.set_cached(src.num_cached)
+        table.forked = src.forked = True  # writes into a shared tail block must copy first
 
     def free(self, seq_id: str) -> None:
         """Release everything the sequence holds, in any state (finish, abort, preemption)."""
@@ -249,7 +261,7 @@ class KVCacheManager:
         if not self.can_swap_in(seq_id):
             raise ValueError(f"cannot swap in {seq_id!r}: not enough free device blocks")
         cpu = self._cpu_tables.pop(seq_id)
-        table = self._tables[seq_id] = _Table()
+        table = self._tables[seq_id] = _Table(self.block_size)
         for _ in cpu:
             table.append(self.pool.allocate())
         self.cpu_pool.free(reversed(cpu))

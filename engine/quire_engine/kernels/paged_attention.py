@@ -513,37 +513,45 @@ def paged_attention_reference(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     tables = block_tables.long()
 
-    decode = [s for s, n in enumerate(q_lens) if n == 1]
-    if decode:
-        seq_idx = torch.tensor(decode, device=q.device)
-        rows = torch.tensor([starts[s] for s in decode], device=q.device)
-        num_blocks = -(-max(lens[s] for s in decode) // block_size)
+    # Decode sequences, longest first, in chunks that each pad only to their own longest
+    # context: ragged lengths (the normal case) would otherwise pay for the longest everywhere.
+    decode = sorted((s for s, n in enumerate(q_lens) if n == 1), key=lambda s: -lens[s])
+    token_bytes = num_kv_heads * head_dim * 4
+    i = 0
+    while i < len(decode):
+        num_blocks = -(-lens[decode[i]] // block_size)
         padded = num_blocks * block_size
         # Chunks keep each gathered K/V near _DECODE_CHUNK_BYTES: it stays in cache, and the
         # allocator recycles it (glibc returns buffers over ~32 MiB to the OS on free, so every
-        # call would page-fault a fresh one in: that cost more than the attention itself).
-        chunk = max(1, _DECODE_CHUNK_BYTES // (padded * num_kv_heads * head_dim * 4))
-        for i in range(0, len(decode), chunk):
-            seqs, rws = seq_idx[i : i + chunk], rows[i : i + chunk]
-            k = _gather(k_cache, tables[seqs, :num_blocks])  # [n, padded, kv_heads, D]
-            v = _gather(v_cache, tables[seqs, :num_blocks])
-            visible = torch.arange(padded, device=q.device) < seq_lens[seqs, None]  # [n, padded]
-            if not finite_cache:
-                # Slots past a sequence's end hold whatever the pool held (torch.empty bits, NaN
-                # included): zero them, or a masked-out NaN leaks through (SDPA adds the mask to
-                # NaN scores, and 0 * NaN in P @ V).
-                hidden = (~visible).flatten().nonzero().squeeze(1)
-                k.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
-                v.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
-            o = F.scaled_dot_product_attention(
-                q[rws].float().unsqueeze(2),  # [n, heads, 1, D]
-                k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
-                v.float().transpose(1, 2),
-                attn_mask=visible[:, None, None, :],
-                scale=scale,
-                enable_gqa=True,
-            )  # [n, heads, 1, D]
-            out[rws] = o.squeeze(2).to(q.dtype)
+        # call would page-fault a fresh one in: that cost more than the attention itself). A
+        # chunk also ends where contexts drop below half its padding.
+        end = i + 1
+        limit = max(1, _DECODE_CHUNK_BYTES // (padded * token_bytes))
+        while end < len(decode) and end - i < limit and 2 * lens[decode[end]] > padded:
+            end += 1
+        chunk_seqs = decode[i:end]
+        i = end
+        seqs = torch.tensor(chunk_seqs, device=q.device)
+        rws = torch.tensor([starts[s] for s in chunk_seqs], device=q.device)
+        k = _gather(k_cache, tables[seqs, :num_blocks])  # [n, padded, kv_heads, D]
+        v = _gather(v_cache, tables[seqs, :num_blocks])
+        visible = torch.arange(padded, device=q.device) < seq_lens[seqs, None]  # [n, padded]
+        if not finite_cache:
+            # Slots past a sequence's end hold whatever the pool held (torch.empty bits, NaN
+            # included): zero them, or a masked-out NaN leaks through (SDPA adds the mask to
+            # NaN scores, and 0 * NaN in P @ V).
+            hidden = (~visible).flatten().nonzero().squeeze(1)
+            k.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
+            v.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
+        o = F.scaled_dot_product_attention(
+            q[rws].float().unsqueeze(2),  # [n, heads, 1, D]
+            k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
+            v.float().transpose(1, 2),
+            attn_mask=visible[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )  # [n, heads, 1, D]
+        out[rws] = o.squeeze(2).to(q.dtype)
 
     for s, n in enumerate(q_lens):
         if n == 1:
