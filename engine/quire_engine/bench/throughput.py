@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for every system (on a small shared machine one thread each "
+        "keeps OpenMP barriers from turning other processes' load into 2x swings)",
+    )
 
 
 def bench_config(args: argparse.Namespace) -> LlamaConfig:
@@ -84,6 +91,7 @@ def bench_config(args: argparse.Namespace) -> LlamaConfig:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     lengths = sharegpt_like(
         args.num_requests,
