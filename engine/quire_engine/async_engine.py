@@ -158,6 +158,11 @@ class RequestHandle:
 
 
 class AsyncEngine:
+    """An ``LLMEngine`` on its own thread; ``submit`` from the event loop, iterate the handle.
+
+    ``engine_factory`` builds the engine on that thread (tests inject slow or failing loads);
+    ``on_death`` is called from that thread if loading or a step raises."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -319,7 +324,9 @@ class AsyncEngine:
             tokenizer = copy.deepcopy(engine.tokenizer)
             self.info = ModelInfo(engine.model_name, engine.max_model_len, tokenizer)
             self.state = EngineState.READY
-            logger.info("engine ready: model %s, max_model_len %d", *self._describe())
+            logger.info(
+                "engine ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len
+            )
             self._serve(engine, recorder)
             self.state = EngineState.STOPPED
         except BaseException:
@@ -329,10 +336,6 @@ class AsyncEngine:
                 self._on_death()
         finally:
             self._shut_down(engine, recorder)
-
-    def _describe(self) -> tuple[str, int]:
-        assert self.info is not None
-        return self.info.model_name, self.info.max_model_len
 
     def _serve(self, engine: LLMEngine, recorder: StatsRecorder) -> None:
         while self._apply_commands(engine, recorder, block=not engine.has_unfinished()):

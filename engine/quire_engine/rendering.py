@@ -14,8 +14,7 @@ from typing import Any
 
 from quire_engine.async_engine import RequestHandle
 from quire_engine.outputs import CompletionOutput
-
-Json = dict[str, Any]
+from quire_engine.protocol import Json
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Json:

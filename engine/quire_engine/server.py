@@ -375,7 +375,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
         problems.setdefault(loc[0] if loc else "body", f"{'.'.join(loc) or 'body'}: {error['msg']}")
     message = "; ".join(problems.values()) or "invalid request"
-    param = next(iter(problems), None)
+    param = next((field for field in problems if field != "body"), None)
     return await _openai_error(request, OpenAIError(400, message, param=param))
 
 

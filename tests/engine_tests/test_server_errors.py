@@ -51,6 +51,7 @@ def still_serving(server: RunningServer, **headers: str) -> None:
         ("completions", {"prompt": [1, 100000]}, "prompt"),  # token id out of the vocabulary
         ("completions", {"prompt": "a", "echo": True}, "echo"),
         ("completions", {"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("completions", {"prompt": "a", "stream_options": {"include_usage": True}}, None),
         ("chat/completions", {"messages": []}, "messages"),
         ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
         ("chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
@@ -58,7 +59,7 @@ def still_serving(server: RunningServer, **headers: str) -> None:
     ],
 )
 def test_invalid_requests_are_400(
-    server: RunningServer, path: str, body: dict[str, object], param: str
+    server: RunningServer, path: str, body: dict[str, object], param: str | None
 ) -> None:
     error = error_of(httpx2.post(f"{server.base_url}/{path}", json=body), 400)
     assert error["type"] == "invalid_request_error"
