@@ -11,6 +11,10 @@ Per request, measured on the client: TTFT (send -> first streamed chunk), ITL (g
 chunks), TPOT ((e2e - TTFT) / (output tokens - 1)), e2e (send -> ``[DONE]``). Output token counts
 come from the server's usage chunk. A request fails on a non-200 status, an error event, a
 transport error or a missing usage chunk.
+
+ITL is per streamed chunk, as in vLLM: a token that completes no character (part of a UTF-8
+sequence, frequent in the embedded model's random bytes) is sent with the next one, so its gap
+merges into the next. TPOT counts tokens and is unaffected.
 """
 
 from __future__ import annotations
