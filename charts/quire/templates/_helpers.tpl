@@ -1,0 +1,137 @@
+{{/* Names, labels and small shared values of the chart. */}}
+
+{{/* The release's full name: the release name, or release-chart when it does not contain it. */}}
+{{- define "quire.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 54 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 54 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's Deployment (and its RBAC objects) name. */}}
+{{- define "quire.operator.name" -}}
+{{- printf "%s-operator" (include "quire.fullname" .) -}}
+{{- end -}}
+
+{{- define "quire.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "quire.operator.name" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of every object the chart renders. */}}
+{{- define "quire.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/part-of: quire
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* The operator pods' selector: immutable once the Deployment exists. */}}
+{{- define "quire.operator.selectorLabels" -}}
+app.kubernetes.io/name: quire-operator
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+{{- end -}}
+
+{{/* quire.labels plus the selector labels (instance is in both). */}}
+{{- define "quire.operator.labels" -}}
+{{ include "quire.labels" . }}
+app.kubernetes.io/name: quire-operator
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "quire.operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "quire.engine.image" -}}
+{{- printf "%s:%s" .Values.engineImage.repository (default .Chart.AppVersion .Values.engineImage.tag) -}}
+{{- end -}}
+
+{{/* True when the cluster serves the Prometheus Operator's API, or a value forces a monitor. */}}
+{{- define "quire.monitoring.render" -}}
+{{- $enabled := index . 0 -}}
+{{- $kind := index . 1 -}}
+{{- $root := index . 2 -}}
+{{- if eq (toString $enabled) "auto" -}}
+{{- if $root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind) -}}true{{- end -}}
+{{- else if $enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where engine pods live: the watched namespace, or every namespace. */}}
+{{- define "quire.monitoring.namespaceSelector" -}}
+{{- if .Values.operator.watchNamespace -}}
+matchNames:
+  - {{ .Values.operator.watchNamespace | quote }}
+{{- else -}}
+any: true
+{{- end -}}
+{{- end -}}
+
+{{/* The labels the operator puts on every engine pod and Service (quire_operator.meta). */}}
+{{- define "quire.engine.selectorLabels" -}}
+app.kubernetes.io/name: quire-engine
+app.kubernetes.io/managed-by: quire-operator
+{{- end -}}
+
+{{/* The name of the engine container's (and Service's) HTTP port, which serves /metrics. */}}
+{{- define "quire.engine.portName" -}}
+http
+{{- end -}}
+
+{{/*
+quire.rbac.rules: every API call quire-operator makes on namespaced objects, and nothing more
+(a Role in namespaced mode, part of the ClusterRole otherwise). Children are written by
+server-side apply: a PATCH, which the API server also authorizes as create when the object does
+not exist yet (so patch and create, never update).
+Deletion of children is left to the garbage collector (owner references): no delete verbs,
+except for the HPA and PDB, which the operator removes when the spec no longer asks for them.
+*/}}
+{{- define "quire.rbac.rules" -}}
+# kopf watches InferenceServices and keeps its progress in their annotations (patch); the
+# reconciler reads the latest one (get) and writes its status subresource (patch).
+- apiGroups: [quire.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [quire.dev]
+  resources: [inferenceservices/status]
+  verbs: [patch]
+# Children: watched (list, watch) to repair drift, applied (create, patch); the Deployment is
+# also read for status, the HPA and PDB are read and deleted when no longer wanted.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [list, watch, create, patch]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# Engine pods: watched and listed to explain an unready replica in the status (never changed).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# The model's Hugging Face token Secret, read by name to report a missing one; never listed.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# kopf posts warnings and errors as Events on the InferenceService.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* kopf peering: quire-operator creates its peering object at start, kopf watches it and
+patches its replicas' keep-alives into it. */}}
+{{- define "quire.rbac.peeringRules" -}}
+- apiGroups: [kopf.dev]
+  resources: [{{ . }}]
+  verbs: [get, list, watch, create, patch]
+{{- end -}}
