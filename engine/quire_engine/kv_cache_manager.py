@@ -103,8 +103,9 @@ class KVCacheManager:
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Hashes of the sequence's first ``num_blocks`` full blocks (computed lazily, cached on
-        the sequence). Callers never ask for a block holding the last token: that token may still
-        be replaced (a fork or a beam choosing another candidate)."""
+        the sequence). Only blocks whose tokens are computed or being computed are asked for, and
+        such tokens are final: a sampled token is replaced (a fork taking another candidate) only
+        before it is first scheduled."""
         hashes = seq.block_hashes
         bs = self.block_size
         tokens = seq.token_ids
