@@ -3,6 +3,9 @@
 - ``cluster`` (session): builds the binaries if they are not cached, starts etcd, the API server,
   controller manager, scheduler and kwok once per session, and stops them at the end.
 - ``namespace`` (function): a fresh namespace per test, deleted afterwards.
+- ``crds`` (session): the repository's CRDs (crds/) applied with kubectl and Established.
+- ``operators`` (function): starts ``quire-operator`` processes (``harness.Operators``) scoped to
+  the test's namespace by default, and stops them all after the test.
 
 Policy: locally, a machine without Go (and without cached binaries) skips the cluster tests
 with the reason; under ``CI=true`` the same situation fails them, because CI must never pass
@@ -15,6 +18,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
@@ -23,9 +27,12 @@ from tests.cluster import ControlPlane, GoUnavailable, ensure_binaries
 
 if TYPE_CHECKING:
     from tests.cluster.client import ClusterHandle
+    from tests.operator_tests.harness import GarbageCollectorProbe, Operators
 
 # The running control plane, so the report hook below can attach its logs to failures.
 _ACTIVE: ControlPlane | None = None
+# The operator processes of the running test, for the same reason.
+_OPERATORS: Operators | None = None
 
 
 def _in_ci() -> bool:
@@ -86,6 +93,45 @@ def namespace(cluster: ClusterHandle) -> Iterator[str]:
             cluster.core.delete_namespace(name)
 
 
+@pytest.fixture(scope="session")
+def crds(cluster: ClusterHandle) -> Iterator[GarbageCollectorProbe]:
+    """The InferenceService and kopf peering CRDs, applied the way a person would; yields the
+    probe that tells when garbage collection through InferenceService owners works."""
+    from tests.operator_tests.harness import GarbageCollectorProbe
+    from tests.operator_tests.helpers import CRD_PATH, PEERING_CRD_PATH
+
+    files = [arg for path in (CRD_PATH, PEERING_CRD_PATH) for arg in ("-f", str(path))]
+    applied = cluster.kubectl("apply", "--server-side", "--force-conflicts", *files)
+    assert applied.returncode == 0, applied.stderr
+    names = ["inferenceservices.quire.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"]
+    established = cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{n}" for n in names)
+    )
+    assert established.returncode == 0, established.stderr
+    probe = GarbageCollectorProbe(cluster)
+    try:
+        yield probe
+    finally:
+        probe.close()
+
+
+@pytest.fixture
+def operators(
+    cluster: ClusterHandle, crds: GarbageCollectorProbe, namespace: str, tmp_path: Path
+) -> Iterator[Operators]:
+    """Operator processes for this test (scoped to its namespace unless told otherwise)."""
+    global _OPERATORS
+    from tests.operator_tests.harness import Operators
+
+    started = Operators(cluster, namespace, tmp_path)
+    _OPERATORS = started
+    try:
+        yield started
+    finally:
+        started.stop_all()
+        _OPERATORS = None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Attach the components' log tails to any failing test that used the cluster."""
@@ -94,4 +140,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         dead = _ACTIVE.dead_components()
         header = f"dead components: {', '.join(dead)}\n" if dead else ""
         report.sections.append(("control-plane logs", header + _ACTIVE.log_report()))
+    if report.failed and _OPERATORS is not None:
+        report.sections.append(("operator logs", _OPERATORS.report()))
     return report

@@ -1,0 +1,164 @@
+"""``quire-operator``: run the InferenceService operator (kopf) against the current cluster.
+
+It talks to the API server of the in-cluster service account, or of $KUBECONFIG outside a
+cluster. Scope: ``--namespace`` (repeatable) or ``--all-namespaces``.
+
+Peering: every replica of the operator joins the kopf peering object named by ``--peering``
+(a ClusterKopfPeering when cluster-wide, a KopfPeering per namespace otherwise; the CRDs are in
+crds/kopfpeerings.kopf.dev.yaml) and only the one with the highest ``--priority`` works; the
+others pause until it leaves (at exit) or its keep-alive lapses (``--peering-lifetime`` after a
+crash). The operator creates its peering object if it is missing. Equal priorities would pause
+everyone, so the default priority is random per process; set ``POD_ID`` to the pod's name so a
+restarted container takes its own place at once. ``--standalone`` skips peering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+from collections.abc import Sequence
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from quire_operator.config import DEFAULT_ENGINE_IMAGE, OperatorConfig
+from quire_operator.handlers import register
+from quire_operator.reconcile import Reconciler, api_message
+from quire_operator.settings import operator_settings
+
+logger = logging.getLogger("quire_operator")
+
+PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    description = "Run the Quire InferenceService operator (kopf) against the current cluster."
+    parser = argparse.ArgumentParser(prog="quire-operator", description=description)
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        metavar="NAMESPACE",
+        help="namespace to serve (repeatable)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint URL (200 while the operator runs); '' disables it",
+    )
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", default="quire-operator", help="peering object name")
+    peering.add_argument("--standalone", action="store_true", help="run without peering")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the highest works, the rest wait (default: random)",
+    )
+    parser.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=60,
+        help="seconds a replica that stopped without leaving (a crash) still counts as working",
+    )
+    parser.add_argument(
+        "--engine-image",
+        default=os.environ.get("QUIRE_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
+        help="engine image for InferenceServices that name none [env QUIRE_ENGINE_IMAGE]",
+    )
+    parser.add_argument("--cluster-domain", default="cluster.local", help="for status.url")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def api_client() -> client.ApiClient:
+    """A client of its own (the library-wide default configuration is left alone)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        return client.ApiClient(configuration)
+    return config.new_client_from_config()
+
+
+def ensure_peering(api: client.ApiClient, name: str, namespaces: Sequence[str] | None) -> None:
+    """Create the peering object(s) if missing: without one, kopf runs every replica at once."""
+    custom = client.CustomObjectsApi(api)
+    kind = "ClusterKopfPeering" if namespaces is None else "KopfPeering"
+    body = {
+        "apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}",
+        "kind": kind,
+        "metadata": {"name": name},
+    }
+    for namespace in [None] if namespaces is None else namespaces:
+        try:
+            if namespace is None:
+                custom.create_cluster_custom_object(
+                    PEERING_GROUP, PEERING_VERSION, "clusterkopfpeerings", body
+                )
+            else:
+                custom.create_namespaced_custom_object(
+                    PEERING_GROUP, PEERING_VERSION, namespace, "kopfpeerings", body
+                )
+        except ApiException as err:
+            if err.status == 409:  # exists already: another replica or an earlier run made it
+                continue
+            if err.status == 404:
+                raise SystemExit(
+                    "quire-operator: kopf's peering CRDs are not installed "
+                    "(kubectl apply -f crds/kopfpeerings.kopf.dev.yaml), or pass --standalone"
+                ) from err
+            message = f"quire-operator: cannot create the peering object: {api_message(err)}"
+            raise SystemExit(message) from err
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL
+    kopf.configure(verbose=args.verbose, log_format=log_format)
+    if not args.verbose:
+        # kopf logs every handler call at INFO, one line per pod or Deployment event; the
+        # reconciler's own INFO lines (condition flips, generations applied) tell the story.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # One line per liveness probe (every few seconds, forever) says nothing either.
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    operator_config = OperatorConfig(
+        engine_image=args.engine_image, cluster_domain=args.cluster_domain
+    )
+    api = api_client()
+    namespaces = None if args.all_namespaces else list(dict.fromkeys(args.namespaces))
+    if not args.standalone:
+        ensure_peering(api, args.peering, namespaces)
+    registry = kopf.OperatorRegistry()
+    # A bare registry has no login handlers; kopf's own connection then loads the same sources
+    # (in-cluster service account, else $KUBECONFIG) as api_client() above.
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+    settings = operator_settings()
+    settings.peering.lifetime = args.peering_lifetime
+    register(registry, settings, Reconciler(api, operator_config))
+    priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+    logger.info(
+        "serving %s; peering %s",
+        "all namespaces" if namespaces is None else ", ".join(namespaces),
+        "off" if args.standalone else f"{args.peering!r} at priority {priority}",
+    )
+    try:
+        kopf.run(
+            registry=registry,
+            settings=settings,
+            clusterwide=namespaces is None,
+            namespaces=namespaces or (),
+            standalone=args.standalone,
+            peering_name=None if args.standalone else args.peering,
+            priority=priority,
+            liveness_endpoint=args.liveness or None,
+        )
+    finally:
+        api.close()
+    return 0

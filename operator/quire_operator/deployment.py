@@ -1,0 +1,262 @@
+"""Pure builder: InferenceService -> the engine Deployment (a dict, as it is server-side applied).
+
+Ownership (server-side apply, field manager ``quire-operator``): the operator owns exactly the
+fields in the dict this module returns. Two consequences are deliberate:
+
+- ``spec.replicas`` is left out when autoscaling is on, so the HPA (which writes it through the
+  scale subresource) is its only owner and the operator never reverts a scaling decision. With
+  autoscaling off it is in the dict and a forced apply takes it back from anyone who changed it.
+- Fields nobody here sets (an annotation from ``kubectl rollout restart``, an env var a person
+  added) are not the operator's and survive reconciles; anything the operator sets is restored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quire_operator import meta
+from quire_operator.config import OperatorConfig
+from quire_operator.spec import InferenceService, ModelKind, ModelSource
+
+ENGINE_PORT = 8000
+PORT_NAME = "http"
+MODEL_DIR = "/models"
+# The engine image's user (Dockerfile.engine: useradd --uid 10001).
+ENGINE_UID = 10001
+# Cloud GPU node pools taint GPU nodes with this key (GKE, AKS; MIG nodes too), so GPU pods get a
+# toleration for it, as the ExtendedResourceToleration admission plugin would add where enabled.
+GPU_TAINT_KEY = "nvidia.com/gpu"
+# How long a replica may take to load its model before it counts as failed. The startup probe
+# and the Deployment's progress deadline share it: loading 100+ GB of weights from a network
+# volume takes many minutes, and a replica still loading must not be killed or reported stuck.
+MODEL_LOAD_BUDGET_S = 3600
+STARTUP_PROBE_PERIOD_S = 10
+
+# Flags set from spec fields; spec.engine.extraArgs may not repeat them (the CRD's CEL rule on
+# extraArgs lists the same flags, and a test checks the two lists agree).
+MANAGED_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--device",
+    "--dtype",
+    "--block-size",
+    "--gpu-memory-utilization",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--preemption-mode",
+    "--swap-space",
+    "--log-format",
+)
+
+PROMETHEUS_ANNOTATIONS = {
+    "prometheus.io/scrape": "true",
+    "prometheus.io/port": str(ENGINE_PORT),
+    "prometheus.io/path": "/metrics",
+}
+
+
+def _number(value: float) -> str:
+    """0.9 -> "0.9", 4.0 -> "4": the shortest text argparse reads back to the same float."""
+    return f"{value:g}"
+
+
+def model_path(model: ModelSource) -> str:
+    """What ``--model`` points at inside the container."""
+    if model.kind is ModelKind.HF:
+        return f"{MODEL_DIR}/{model.location}"
+    if model.kind is ModelKind.PVC:
+        return f"{MODEL_DIR}/{model.sub_path}" if model.sub_path else MODEL_DIR
+    return model.location  # file: the path in the image; tiny: the engine's own name
+
+
+def engine_args(isvc: InferenceService) -> list[str]:
+    """``quire-engine`` argv after the command: every setting explicit, extraArgs last."""
+    engine = isvc.engine
+    args = [
+        "serve",
+        "--model", model_path(isvc.model),
+        "--served-model-name", isvc.model.served_name,
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--device", "cuda" if isvc.resources.gpus else "cpu",
+        "--dtype", engine.dtype,
+        "--block-size", str(engine.block_size),
+        "--gpu-memory-utilization", _number(engine.gpu_memory_utilization),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--preemption-mode", engine.preemption_mode,
+        "--log-format", "json",
+    ]  # fmt: skip
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.preemption_mode == "swap":
+        args += ["--swap-space", _number(engine.swap_space_gib)]
+    return args + list(engine.extra_args)
+
+
+def _container_security() -> dict[str, Any]:
+    # Pod Security Standards "restricted": nothing the engine needs is lost.
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _cpu_memory(isvc: InferenceService) -> dict[str, Any]:
+    resources: dict[str, Any] = {}
+    if isvc.resources.requests:
+        resources["requests"] = dict(isvc.resources.requests)
+    if isvc.resources.limits:
+        resources["limits"] = dict(isvc.resources.limits)
+    return resources
+
+
+def _engine_resources(isvc: InferenceService) -> dict[str, Any]:
+    resources = _cpu_memory(isvc)
+    if isvc.resources.gpus:
+        # Extended resources go in limits only; the API server copies them to requests.
+        limits = {**resources.get("limits", {})}
+        limits[isvc.resources.gpu_resource_name] = str(isvc.resources.gpus)
+        resources["limits"] = limits
+    return resources
+
+
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": PORT_NAME},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _model_volume(model: ModelSource) -> dict[str, Any] | None:
+    if model.kind is ModelKind.HF:
+        return {"name": "model", "emptyDir": {}}
+    if model.kind is ModelKind.PVC:
+        claim = {"claimName": model.location, "readOnly": True}
+        return {"name": "model", "persistentVolumeClaim": claim}
+    return None
+
+
+def _download_container(isvc: InferenceService, image: str) -> dict[str, Any]:
+    """Init container that fetches an hf:// model into the shared emptyDir with the engine
+    image's ``hf`` CLI. The token reaches this container only, from the Secret, never the spec."""
+    model = isvc.model
+    command = ["hf", "download", model.location, "--local-dir", model_path(model)]
+    if model.revision is not None:
+        command += ["--revision", model.revision]
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": f"{MODEL_DIR}/.hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if model.hf_token is not None:
+        ref = {"name": model.hf_token.name, "key": model.hf_token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    container: dict[str, Any] = {
+        "name": "download-model",
+        "image": image,
+        "command": command,
+        "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        "securityContext": _container_security(),
+    }
+    if resources := _cpu_memory(isvc):
+        container["resources"] = resources
+    return container
+
+
+def _tolerations(isvc: InferenceService) -> list[dict[str, Any]]:
+    tolerations: list[dict[str, Any]] = []
+    if isvc.resources.gpus:
+        for key in dict.fromkeys([GPU_TAINT_KEY, isvc.resources.gpu_resource_name]):
+            tolerations.append({"key": key, "operator": "Exists", "effect": "NoSchedule"})
+    tolerations += [dict(t) for t in isvc.placement.tolerations if dict(t) not in tolerations]
+    return tolerations
+
+
+def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    image = isvc.engine.image or config.engine_image
+    model_volume = _model_volume(isvc.model)
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if model_volume is not None:
+        volumes.append(model_volume)
+        mount = {"name": "model", "mountPath": MODEL_DIR}
+        mounts.append({**mount, "readOnly": True} if isvc.model.kind is ModelKind.PVC else mount)
+    failures = MODEL_LOAD_BUDGET_S // STARTUP_PROBE_PERIOD_S
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "command": ["quire-engine"],
+        "args": engine_args(isvc),
+        "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # /ready turns 200 once the model is loaded and warmed; /health only says the process
+        # and its engine loop live, so liveness never restarts a replica that is still loading.
+        "startupProbe": _probe("/ready", STARTUP_PROBE_PERIOD_S, failures),
+        "readinessProbe": _probe("/ready", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    if isvc.engine.image_pull_policy is not None:
+        container["imagePullPolicy"] = isvc.engine.image_pull_policy
+    if resources := _engine_resources(isvc):
+        container["resources"] = resources
+    pod: dict[str, Any] = {
+        # Service links would inject variables such as QUIRE_PORT=tcp://10.0.0.1:8000 for a
+        # Service named "quire", and the engine reads QUIRE_<FLAG> variables as flags.
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,  # the model emptyDir / PVC must be writable/readable by it
+            # Without this the kubelet re-chowns every file of a model volume at each mount.
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if isvc.model.kind is ModelKind.HF:
+        pod["initContainers"] = [_download_container(isvc, image)]
+    if tolerations := _tolerations(isvc):
+        pod["tolerations"] = tolerations
+    placement = isvc.placement
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(placement.node_selector)
+    if placement.affinity:
+        pod["affinity"] = dict(placement.affinity)
+    if placement.priority_class_name:
+        pod["priorityClassName"] = placement.priority_class_name
+    if placement.service_account_name:
+        pod["serviceAccountName"] = placement.service_account_name
+    if placement.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
+    return pod
+
+
+def build_deployment(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """The apply configuration of the engine Deployment (see the module docstring for ownership)."""
+    name = isvc.ref.name
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": meta.selector_labels(name)},
+        "progressDeadlineSeconds": MODEL_LOAD_BUDGET_S,
+        "template": {
+            "metadata": {"labels": meta.labels(name), "annotations": dict(PROMETHEUS_ANNOTATIONS)},
+            "spec": _pod_spec(isvc, config),
+        },
+    }
+    if not isvc.autoscaling.enabled:
+        spec["replicas"] = isvc.replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta.object_meta(isvc.ref),
+        "spec": spec,
+    }

@@ -1,0 +1,102 @@
+"""Pure builders: InferenceService -> Service, HorizontalPodAutoscaler, PodDisruptionBudget.
+
+Ownership (server-side apply, field manager ``quire-operator``): the operator owns every field in
+these dicts. The HPA and PDB exist only while the spec calls for them (``None`` otherwise); the
+reconciler then deletes the one it owns, since an apply cannot express "absent".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quire_operator import meta
+from quire_operator.deployment import PORT_NAME
+from quire_operator.spec import InferenceService
+
+# Pods metrics the HPA reads through the custom metrics API. The first two are engine gauges as
+# exported; the third is the name the chart's prometheus-adapter rule gives to
+# rate(quire_preemptions_total[1m]) per pod.
+KV_CACHE_METRIC = "quire_kv_cache_usage_ratio"
+QUEUE_METRIC = "quire_num_requests_waiting"
+PREEMPTION_METRIC = "quire_preemptions_per_second"
+
+
+def quantity(value: float) -> str:
+    """A Kubernetes quantity in the API server's canonical form: 4 -> "4", 0.8 -> "800m",
+    0.0005 -> "500u", so an unchanged spec re-applies as an exact no-op."""
+    micro = round(value * 1_000_000)
+    if micro % 1_000_000 == 0:
+        return str(micro // 1_000_000)
+    if micro % 1_000 == 0:
+        return f"{micro // 1_000}m"
+    return f"{micro}u"
+
+
+def build_service(isvc: InferenceService) -> dict[str, Any]:
+    port = {
+        "name": PORT_NAME,
+        "port": isvc.service.port,
+        "targetPort": PORT_NAME,
+        "protocol": "TCP",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta.object_meta(isvc.ref),
+        "spec": {
+            "type": isvc.service.type,
+            "selector": meta.selector_labels(isvc.ref.name),
+            "ports": [port],
+        },
+    }
+
+
+def _pods_metric(name: str, average: float) -> dict[str, Any]:
+    target = {"type": "AverageValue", "averageValue": quantity(average)}
+    return {"type": "Pods", "pods": {"metric": {"name": name}, "target": target}}
+
+
+def build_hpa(isvc: InferenceService) -> dict[str, Any] | None:
+    """autoscaling/v2 HPA on the engine's Pods metrics, only those with a target; None when
+    autoscaling is off."""
+    autoscaling = isvc.autoscaling
+    if not autoscaling.enabled:
+        return None
+    targets = [
+        (KV_CACHE_METRIC, autoscaling.target_kv_cache_utilization),
+        (QUEUE_METRIC, autoscaling.target_queue_depth),
+        (PREEMPTION_METRIC, autoscaling.target_preemption_rate),
+    ]
+    spec: dict[str, Any] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": isvc.ref.name},
+        "minReplicas": autoscaling.min_replicas,
+        "maxReplicas": autoscaling.max_replicas,
+        "metrics": [_pods_metric(name, target) for name, target in targets if target is not None],
+    }
+    if autoscaling.behavior:
+        spec["behavior"] = dict(autoscaling.behavior)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": meta.object_meta(isvc.ref),
+        "spec": spec,
+    }
+
+
+def build_pdb(isvc: InferenceService) -> dict[str, Any] | None:
+    """A budget of one voluntary disruption at a time; None when there can be only one replica
+    (a budget over a single pod either blocks node drains or protects nothing)."""
+    if isvc.max_replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta.object_meta(isvc.ref),
+        "spec": {
+            "selector": {"matchLabels": meta.selector_labels(isvc.ref.name)},
+            "maxUnavailable": 1,
+            # A replica that is not ready (still loading, crash-looping) serves nothing, so
+            # evicting it must never be what blocks a node drain.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }

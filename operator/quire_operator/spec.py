@@ -1,0 +1,244 @@
+"""An InferenceService as frozen dataclasses: the one place that reads the custom object.
+
+Input is the object as the API server stores it: the CRD (crds/inferenceservices.quire.dev.yaml)
+has already validated it and filled in every default, so defaulted keys are read directly and only
+optional ones with ``.get``. ``__post_init__`` re-checks the invariants the builders rely on and
+raises ``ValueError`` naming the field, for objects that reached the operator without the CRD's
+checks (an older CRD, a hand-made dict in a test).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from quire_operator.meta import ObjectRef
+
+# Same shapes as the CRD's uri rule; kept as separate patterns so each kind is parsed, not split.
+_HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$")
+_PVC = re.compile(
+    r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>(/[A-Za-z0-9._-]+)*)/?$"
+)
+_FILE = re.compile(r"^file://(?P<path>/[A-Za-z0-9._/-]+)$")
+
+
+class ModelKind(enum.Enum):
+    TINY = "tiny"  # the engine's embedded test model: nothing to fetch or mount
+    HF = "hf"  # downloaded from the Hugging Face Hub by an init container
+    PVC = "pvc"  # a PersistentVolumeClaim mounted read-only
+    FILE = "file"  # a path already inside the image
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: ModelKind
+    # hf: "org/name"; pvc: the claim name; file: the absolute path; tiny: "tiny".
+    location: str
+    # pvc only: the path inside the claim ("" for its root).
+    sub_path: str
+    revision: str | None
+    served_name: str
+    hf_token: SecretKeyRef | None
+
+    def __post_init__(self) -> None:
+        if self.hf_token is not None and self.kind is not ModelKind.HF:
+            raise ValueError("model.hfTokenSecretRef applies only to hf:// models")
+        if self.revision is not None and self.kind is not ModelKind.HF:
+            raise ValueError("model.revision applies only to hf:// models")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """``quire-engine serve`` settings; ``image`` is None when the operator's default applies."""
+
+    image: str | None
+    image_pull_policy: str | None
+    block_size: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    max_model_len: int | None
+    enable_prefix_caching: bool
+    preemption_mode: str
+    swap_space_gib: float
+    dtype: str
+    extra_args: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"engine.blockSize must be a power of two, 8..128: {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 0.98:
+            utilization = self.gpu_memory_utilization
+            raise ValueError(f"engine.gpuMemoryUtilization must be in (0, 0.98]: {utilization}")
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    gpus: int
+    gpu_resource_name: str
+    # cpu/memory quantities exactly as written (strings or integers), for the container.
+    requests: Mapping[str, str | int] = field(default_factory=dict)
+    limits: Mapping[str, str | int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 0:
+            raise ValueError(f"resources.gpus must be >= 0; got {self.gpus}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Pod placement, passed through to the pod spec as written."""
+
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    enabled: bool
+    min_replicas: int
+    max_replicas: int | None
+    target_kv_cache_utilization: float | None
+    target_queue_depth: float | None
+    target_preemption_rate: float | None
+    # HPA ``behavior`` (scaleUp/scaleDown), defaulted by the CRD, passed through.
+    behavior: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        if self.max_replicas is None:
+            raise ValueError("autoscaling.maxReplicas is required when autoscaling is enabled")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas must not exceed maxReplicas")
+        targets = (
+            self.target_kv_cache_utilization,
+            self.target_queue_depth,
+            self.target_preemption_rate,
+        )
+        if all(target is None for target in targets):
+            raise ValueError("autoscaling needs at least one target")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    type: str
+    port: int
+
+
+@dataclass(frozen=True)
+class InferenceService:
+    """One parsed InferenceService: identity plus spec."""
+
+    ref: ObjectRef
+    generation: int
+    model: ModelSource
+    engine: EngineSpec
+    resources: ResourceSpec
+    placement: Placement
+    replicas: int
+    autoscaling: Autoscaling
+    service: ServiceSpec
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas the Deployment can have (decides whether a PDB is worth it)."""
+        if self.autoscaling.enabled and self.autoscaling.max_replicas is not None:
+            return self.autoscaling.max_replicas
+        return self.replicas
+
+
+def parse_model(model: Mapping[str, Any], default_served_name: str) -> ModelSource:
+    uri: str = model["uri"]
+    token = model.get("hfTokenSecretRef")
+    common: dict[str, Any] = {
+        "revision": model.get("revision"),
+        "served_name": model.get("servedName") or default_served_name,
+        "hf_token": SecretKeyRef(token["name"], token["key"]) if token else None,
+    }
+    if uri == "tiny":
+        return ModelSource(ModelKind.TINY, "tiny", "", **common)
+    if match := _HF.match(uri):
+        return ModelSource(ModelKind.HF, match["repo"], "", **common)
+    if match := _PVC.match(uri):
+        return ModelSource(ModelKind.PVC, match["claim"], match["path"].lstrip("/"), **common)
+    if match := _FILE.match(uri):
+        return ModelSource(ModelKind.FILE, match["path"], "", **common)
+    raise ValueError(f"model.uri: not hf://org/name, pvc://claim[/path], file:///path, tiny: {uri}")
+
+
+def parse_engine(engine: Mapping[str, Any]) -> EngineSpec:
+    return EngineSpec(
+        image=engine.get("image"),
+        image_pull_policy=engine.get("imagePullPolicy"),
+        block_size=engine["blockSize"],
+        gpu_memory_utilization=float(engine["gpuMemoryUtilization"]),
+        max_num_seqs=engine["maxNumSeqs"],
+        max_num_batched_tokens=engine.get("maxNumBatchedTokens"),
+        max_model_len=engine.get("maxModelLen"),
+        enable_prefix_caching=engine["enablePrefixCaching"],
+        preemption_mode=engine["preemptionMode"],
+        swap_space_gib=float(engine["swapSpaceGiB"]),
+        dtype=engine["dtype"],
+        extra_args=tuple(engine.get("extraArgs") or ()),
+    )
+
+
+def parse_autoscaling(autoscaling: Mapping[str, Any]) -> Autoscaling:
+    def number(key: str) -> float | None:
+        value = autoscaling.get(key)
+        return None if value is None else float(value)
+
+    return Autoscaling(
+        enabled=autoscaling["enabled"],
+        min_replicas=autoscaling["minReplicas"],
+        max_replicas=autoscaling.get("maxReplicas"),
+        target_kv_cache_utilization=number("targetKVCacheUtilization"),
+        target_queue_depth=number("targetQueueDepth"),
+        target_preemption_rate=number("targetPreemptionRate"),
+        behavior=dict(autoscaling.get("behavior") or {}),
+    )
+
+
+def parse(body: Mapping[str, Any]) -> InferenceService:
+    """The custom object (API JSON, defaulted by the API server) -> ``InferenceService``."""
+    metadata = body["metadata"]
+    spec = body["spec"]
+    ref = ObjectRef(name=metadata["name"], namespace=metadata["namespace"], uid=metadata["uid"])
+    resources = spec["resources"]
+    return InferenceService(
+        ref=ref,
+        generation=int(metadata.get("generation", 0)),
+        model=parse_model(spec["model"], default_served_name=ref.name),
+        engine=parse_engine(spec["engine"]),
+        resources=ResourceSpec(
+            gpus=resources["gpus"],
+            gpu_resource_name=resources["gpuResourceName"],
+            requests=dict(resources.get("requests") or {}),
+            limits=dict(resources.get("limits") or {}),
+        ),
+        placement=Placement(
+            node_selector=dict(spec.get("nodeSelector") or {}),
+            tolerations=tuple(spec.get("tolerations") or ()),
+            affinity=spec.get("affinity"),
+            priority_class_name=spec.get("priorityClassName"),
+            service_account_name=spec.get("serviceAccountName"),
+            image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
+        ),
+        replicas=spec["replicas"],
+        autoscaling=parse_autoscaling(spec["autoscaling"]),
+        service=ServiceSpec(type=spec["service"]["type"], port=spec["service"]["port"]),
+    )

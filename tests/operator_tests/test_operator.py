@@ -1,0 +1,531 @@
+"""Acceptance tests of the operator (issue 6) against the real control plane of tests/cluster.
+
+Every test runs real ``quire-operator`` processes (tests/operator_tests/harness.py) against the
+real API server, controller manager (Deployment, ReplicaSet, HPA, garbage collector) and kwok
+nodes; nothing of the Kubernetes API is mocked. Waits are bounded (``wait_for``) and assertions
+are on exact values. The expected children are the pure builders' output for the object as the
+API server stored it, so these tests prove that what the builders say is what the cluster gets.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from quire_operator import meta
+from quire_operator.config import OperatorConfig
+from quire_operator.deployment import build_deployment
+from quire_operator.objects import build_hpa, build_pdb, build_service
+from quire_operator.spec import parse
+from tests.cluster.client import ClusterHandle, wait_for
+from tests.cluster.nodes import GPU_NODE
+from tests.operator_tests.harness import GarbageCollectorProbe, Operators
+from tests.operator_tests.helpers import EXAMPLE_PATH, load_example, root_schema, with_defaults
+
+pytestmark = pytest.mark.cluster
+
+NAME = "tiny"  # the example's name
+MERGE = "application/merge-patch+json"
+# Drift must be repaired "within seconds": the operator reacts to the watch event itself.
+REPAIR_S = 10
+
+
+# --- small API helpers (manifests and patches are plain dicts, as they read in YAML) ---
+
+
+def get_isvc(cluster: ClusterHandle, namespace: str, name: str = NAME) -> Any:
+    return cluster.custom.get_namespaced_custom_object(
+        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, name
+    )
+
+
+def create_isvc(cluster: ClusterHandle, namespace: str, body: dict[str, Any]) -> Any:
+    return cluster.custom.create_namespaced_custom_object(
+        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, body
+    )
+
+
+def patch_spec(cluster: ClusterHandle, namespace: str, spec: dict[str, Any]) -> Any:
+    return cluster.custom.patch_namespaced_custom_object(
+        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, NAME, {"spec": spec}, _content_type=MERGE
+    )
+
+
+def condition(obj: Any, kind: str) -> Any:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def read_json(cluster: ClusterHandle, read: Any, namespace: str, name: str = NAME) -> Any:
+    """``read(name, namespace)`` as JSON, or None when it does not exist."""
+    try:
+        return cluster.json(read(name, namespace))
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def deployment(cluster: ClusterHandle, namespace: str) -> Any:
+    return read_json(cluster, cluster.apps.read_namespaced_deployment, namespace)
+
+
+def hpa(cluster: ClusterHandle, namespace: str) -> Any:
+    read = cluster.autoscaling.read_namespaced_horizontal_pod_autoscaler
+    return read_json(cluster, read, namespace)
+
+
+def pdb(cluster: ClusterHandle, namespace: str) -> Any:
+    from kubernetes import client
+
+    read = client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget
+    return read_json(cluster, read, namespace)
+
+
+def service(cluster: ClusterHandle, namespace: str) -> Any:
+    return read_json(cluster, cluster.core.read_namespaced_service, namespace)
+
+
+def engine_args(deployment: Any) -> list[str]:
+    args: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+def flag(deployment: Any, name: str) -> str:
+    args = engine_args(deployment)
+    return args[args.index(name) + 1]
+
+
+def operator_apply_fields(obj: Any) -> Any:
+    """The fields the operator's server-side apply owns (its managedFields entry)."""
+    (entry,) = [
+        m
+        for m in obj["metadata"]["managedFields"]
+        if m["manager"] == meta.FIELD_MANAGER and m["operation"] == "Apply"
+    ]
+    return entry["fieldsV1"]
+
+
+def assert_applied(live: Any, wanted: Any, path: str = "") -> None:
+    """Every field of the applied configuration ``wanted`` is in ``live`` with that value
+    (the API server adds defaults and status around them)."""
+    if isinstance(wanted, dict):
+        assert isinstance(live, dict), f"{path}: {live!r} is not an object"
+        for key, value in wanted.items():
+            assert key in live, f"{path}.{key} missing from {sorted(live)}"
+            assert_applied(live[key], value, f"{path}.{key}")
+    elif isinstance(wanted, list):
+        assert isinstance(live, list) and len(live) == len(wanted), f"{path}: {live!r}"
+        for index, (got, want) in enumerate(zip(live, wanted, strict=True)):
+            assert_applied(got, want, f"{path}[{index}]")
+    else:
+        assert live == wanted, f"{path}: {live!r} != {wanted!r}"
+
+
+def ready(cluster: ClusterHandle, namespace: str, generation: int = 1, name: str = NAME) -> Any:
+    """Wait until the status reports ``generation`` reconciled, rolled out and Ready."""
+    return wait_for(
+        f"{name} Ready with generation {generation} rolled out",
+        lambda: get_isvc(cluster, namespace, name),
+        lambda obj: (
+            obj.get("status", {}).get("observedGeneration") == generation
+            and condition(obj, "Ready").get("status") == "True"
+            and condition(obj, "Progressing").get("status") == "False"
+        ),
+        timeout_s=60,
+    )
+
+
+def create_example(cluster: ClusterHandle, namespace: str) -> Any:
+    create_isvc(cluster, namespace, load_example())
+    return ready(cluster, namespace)
+
+
+# --- the acceptance tests ---
+
+
+def test_readme_example_reconciles_to_ready_children(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    operators.start("--all-namespaces")
+    applied = cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE_PATH))
+    assert applied.returncode == 0, applied.stderr
+    isvc = ready(cluster, namespace)
+
+    # The API server defaulted the spec exactly as the unit tests' helper does.
+    assert isvc["spec"] == with_defaults(load_example(), root_schema())["spec"]
+    parsed = parse(isvc)
+    uid = isvc["metadata"]["uid"]
+
+    live = deployment(cluster, namespace)
+    assert_applied(live, build_deployment(parsed, OperatorConfig()))
+    assert live["metadata"]["ownerReferences"][0]["uid"] == uid
+    container = live["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+    assert flag(live, "--model") == "tiny"
+    assert flag(live, "--block-size") == "16"
+    # Autoscaling is on: the Deployment's replicas are the HPA's, not the operator's.
+    assert "f:replicas" not in operator_apply_fields(live)["f:spec"]
+
+    assert_applied(service(cluster, namespace), build_service(parsed))
+    # autoscaling/v2 is the storage version: the HPA's spec is exactly what was applied.
+    wanted_hpa = build_hpa(parsed)
+    assert wanted_hpa is not None
+    assert hpa(cluster, namespace)["spec"] == wanted_hpa["spec"]
+    assert [m["pods"]["metric"]["name"] for m in wanted_hpa["spec"]["metrics"]] == [
+        "quire_kv_cache_usage_ratio",
+        "quire_num_requests_waiting",
+    ]
+    wanted_pdb = build_pdb(parsed)  # up to 4 replicas: one voluntary disruption at a time
+    assert wanted_pdb is not None
+    assert_applied(pdb(cluster, namespace), wanted_pdb)
+
+    pods = cluster.json(
+        cluster.core.list_namespaced_pod(namespace, label_selector=meta.selector_string(NAME))
+    )["items"]
+    assert [(p["status"]["phase"], p["spec"]["nodeName"]) for p in pods] == [("Running", GPU_NODE)]
+    # The API server copies an extended resource's limit into the pod's requests.
+    assert pods[0]["spec"]["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": "1"},
+        "requests": {"nvidia.com/gpu": "1"},
+    }
+
+    url = f"http://{NAME}.{namespace}.svc.cluster.local:8000"
+    status = isvc["status"]
+    assert (status["replicas"], status["readyReplicas"], status["url"]) == (1, 1, url)
+    assert status["selector"] == meta.selector_string(NAME)
+    assert [(c["type"], c["status"], c["reason"]) for c in status["conditions"]] == [
+        ("Ready", "True", "ReplicasReady"),
+        ("Progressing", "False", "RolloutComplete"),
+        ("Degraded", "False", "AsExpected"),
+    ]
+
+    table = cluster.kubectl("get", "qis", "-n", namespace)
+    assert table.returncode == 0, table.stderr
+    header, row = (line.split() for line in table.stdout.splitlines())
+    assert header == ["NAME", "READY", "REPLICAS", "URL", "AGE"]
+    assert row[:4] == [NAME, "True", "1", url]
+
+
+def test_spec_update_is_followed_and_observed_generation_advances(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    operators.start()
+    create_example(cluster, namespace)
+
+    autoscaling = {
+        "targetKVCacheUtilization": 0.6,
+        "targetQueueDepth": None,  # merge patch: remove this target
+        "targetPreemptionRate": 0.5,
+    }
+    patched = patch_spec(
+        cluster,
+        namespace,
+        {"engine": {"blockSize": 32}, "resources": {"gpus": 2}, "autoscaling": autoscaling},
+    )
+    assert patched["metadata"]["generation"] == 2
+    isvc = ready(cluster, namespace, generation=2)
+    assert condition(isvc, "Ready")["observedGeneration"] == 2
+
+    live = deployment(cluster, namespace)
+    assert flag(live, "--block-size") == "32"
+    limits = live["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": "2"}
+    assert [
+        (m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"])
+        for m in hpa(cluster, namespace)["spec"]["metrics"]
+    ] == [("quire_kv_cache_usage_ratio", "600m"), ("quire_preemptions_per_second", "500m")]
+    # The rollout finished: the one pod left runs the new template.
+    pods = wait_for(
+        "only the new pod",
+        lambda: cluster.json(
+            cluster.core.list_namespaced_pod(namespace, label_selector=meta.selector_string(NAME))
+        )["items"],
+        lambda pods: len(pods) == 1,
+        timeout_s=60,
+    )
+    assert pods[0]["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+
+
+def test_hpa_owns_replicas_when_autoscaling_and_the_spec_otherwise(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    operators.start()
+    create_example(cluster, namespace)
+
+    # Scale the way the HPA controller does: through the scale subresource, as another manager.
+    cluster.apps.patch_namespaced_deployment_scale(
+        NAME, namespace, {"spec": {"replicas": 3}}, field_manager="hpa", _content_type=MERGE
+    )
+    # The status shows 3 ready replicas only after the operator reconciled on that change...
+    wait_for(
+        "status with 3 ready replicas",
+        lambda: get_isvc(cluster, namespace)["status"],
+        lambda status: status["replicas"] == status["readyReplicas"] == 3,
+        timeout_s=60,
+    )
+    # ...and having done so, it left the scaling decision alone.
+    live = deployment(cluster, namespace)
+    assert live["spec"]["replicas"] == 3
+    assert "f:replicas" not in operator_apply_fields(live)["f:spec"]
+
+    patch_spec(cluster, namespace, {"autoscaling": {"enabled": False}, "replicas": 2})
+    wait_for("the HPA deleted", lambda: hpa(cluster, namespace), lambda h: h is None, timeout_s=30)
+    live = wait_for(
+        "spec.replicas enforced",
+        lambda: deployment(cluster, namespace),
+        lambda d: d["spec"]["replicas"] == 2,
+        timeout_s=30,
+    )
+    assert "f:replicas" in operator_apply_fields(live)["f:spec"]
+
+    # Someone scales by hand: the operator takes the field back.
+    scaled = cluster.kubectl("scale", "deployment", NAME, "-n", namespace, "--replicas=5")
+    assert scaled.returncode == 0, scaled.stderr
+    wait_for(
+        "replicas back at 2",
+        lambda: deployment(cluster, namespace),
+        lambda d: (
+            d["metadata"]["generation"] > live["metadata"]["generation"]
+            and d["spec"]["replicas"] == 2
+        ),
+        timeout_s=REPAIR_S,
+    )
+    assert pdb(cluster, namespace) is not None  # 2 replicas: a budget
+    patch_spec(cluster, namespace, {"replicas": 1})
+    wait_for("the PDB deleted", lambda: pdb(cluster, namespace), lambda p: p is None, timeout_s=30)
+
+
+def test_drift_is_repaired_within_seconds(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    operators.start()
+    create_example(cluster, namespace)
+    wanted_args = engine_args(deployment(cluster, namespace))
+    old_service = service(cluster, namespace)
+
+    cluster.core.delete_namespaced_service(NAME, namespace)
+    restored = wait_for(
+        "the Service recreated",
+        lambda: service(cluster, namespace),
+        lambda s: s is not None and s["metadata"]["uid"] != old_service["metadata"]["uid"],
+        timeout_s=REPAIR_S,
+    )
+    assert restored["spec"]["ports"] == old_service["spec"]["ports"]
+
+    edit = [
+        {"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": ["serve"]},
+    ]
+    cluster.apps.patch_namespaced_deployment(
+        NAME, namespace, edit, _content_type="application/json-patch+json"
+    )
+    wait_for(
+        "the container args restored",
+        lambda: deployment(cluster, namespace),
+        lambda d: engine_args(d) == wanted_args,
+        timeout_s=REPAIR_S,
+    )
+
+    cluster.autoscaling.delete_namespaced_horizontal_pod_autoscaler(NAME, namespace)
+    wait_for(
+        "the HPA recreated", lambda: hpa(cluster, namespace), lambda h: h is not None, timeout_s=10
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2,
+                             "targetQueueDepth": 4}},
+            "spec.autoscaling: Invalid value: minReplicas must not exceed maxReplicas",
+        ),
+        (
+            {"engine": {"blockSize": 24}},
+            "spec.engine.blockSize: Invalid value: 24: "
+            "blockSize must be a power of two from 8 to 128",
+        ),
+        (
+            {"engine": {"gpuMemoryUtilization": 1.5}},
+            "spec.engine.gpuMemoryUtilization: Invalid value: 1.5: "
+            "spec.engine.gpuMemoryUtilization in body should be less than or equal to 0.98",
+        ),
+        (
+            {"engine": {"preemptionMode": "evict"}},
+            'spec.engine.preemptionMode: Unsupported value: "evict": '
+            'supported values: "recompute", "swap"',
+        ),
+        (
+            {"engine": {"extraArgs": ["--port=9000"]}},
+            "spec.engine.extraArgs: Invalid value: extraArgs must not repeat flags the operator "
+            "sets from the spec",
+        ),
+    ],
+    ids=["min-above-max", "block-size-24", "gpu-memory-1.5", "unknown-preemption", "extra-port"],
+)  # fmt: skip
+def test_invalid_specs_are_rejected_by_the_api_server(
+    cluster: ClusterHandle,
+    crds: GarbageCollectorProbe,
+    namespace: str,
+    spec: dict[str, Any],
+    message: str,
+) -> None:
+    body = {**load_example(), "metadata": {"name": "bad"}}
+    body["spec"] = {**body["spec"], **spec}
+    with pytest.raises(ApiException) as rejected:
+        create_isvc(cluster, namespace, body)
+    assert rejected.value.status == 422
+    text = json.loads(str(rejected.value.body))["message"]
+    assert text.startswith('InferenceService.quire.dev "bad" is invalid: '), text
+    assert message in text, text
+
+
+def test_missing_secret_degrades_and_recovers_once_it_exists(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    operators.start()
+    model = {"uri": "hf://org/gated-model", "hfTokenSecretRef": {"name": "hf-token"}}
+    create_isvc(cluster, namespace, {**load_example(), "spec": {"model": model}})
+
+    def degraded(reason: str) -> Any:
+        return wait_for(
+            f"Degraded={reason}",
+            lambda: get_isvc(cluster, namespace),
+            lambda obj: condition(obj, "Degraded").get("reason") == reason,
+            timeout_s=30,
+        )
+
+    isvc = degraded("SecretNotFound")
+    missing = (
+        f'Secret "hf-token" (spec.model.hfTokenSecretRef) not found in namespace "{namespace}"'
+    )
+    assert [(c["type"], c["status"], c["message"]) for c in isvc["status"]["conditions"]] == [
+        ("Ready", "False", missing),
+        ("Progressing", "False", missing),
+        ("Degraded", "True", missing),
+    ]
+    assert deployment(cluster, namespace) is None  # nothing that cannot start was created
+
+    secret = {"metadata": {"name": "hf-token"}, "stringData": {"hf_token": "x"}}
+    cluster.core.create_namespaced_secret(namespace, secret)
+    isvc = degraded("SecretKeyNotFound")
+    assert condition(isvc, "Degraded")["message"] == (
+        'Secret "hf-token" (spec.model.hfTokenSecretRef) has no key "token"'
+    )
+
+    cluster.core.patch_namespaced_secret("hf-token", namespace, {"stringData": {"token": "x"}})
+    isvc = ready(cluster, namespace)
+    assert condition(isvc, "Degraded")["status"] == "False"
+    init = deployment(cluster, namespace)["spec"]["template"]["spec"]["initContainers"][0]
+    token = {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
+    }
+    assert token in init["env"]
+
+
+def test_operator_restart_mid_way_converges(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    # The worst case for the replacement: a lower priority than the crashed process, whose
+    # keep-alive must lapse first (a short --peering-lifetime keeps that to seconds).
+    first = operators.start("--priority", "10", "--peering-lifetime", "6", name="first")
+    create_example(cluster, namespace)
+
+    patch_spec(cluster, namespace, {"engine": {"blockSize": 64}})
+    first.kill()  # mid-way: the change may or may not have been handled
+    cluster.core.delete_namespaced_service(NAME, namespace)  # and drift while nobody watches
+
+    operators.start("--priority", "5", name="second")
+    ready(cluster, namespace, generation=2)
+    assert flag(deployment(cluster, namespace), "--block-size") == "64"
+    wait_for("the Service back", lambda: service(cluster, namespace), lambda s: s is not None)
+
+
+def test_two_operators_do_not_fight(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    active = operators.start("--priority", "20", name="active")
+    standby = operators.start("--priority", "10", name="standby")
+    # Both keep-alives are in the peering object; the lower priority one stays paused (kopf
+    # starts a peered operator paused and logs nothing until it resumes).
+    wait_for(
+        "both operators in the peering object",
+        lambda: cluster.custom.get_namespaced_custom_object(
+            "kopf.dev", "v1", namespace, "kopfpeerings", "quire-operator"
+        ).get("status", {}),
+        lambda peers: sorted(p["priority"] for p in peers.values()) == [10, 20],
+        timeout_s=30,
+    )
+
+    create_example(cluster, namespace)
+    patch_spec(cluster, namespace, {"engine": {"blockSize": 32}})
+    ready(cluster, namespace, generation=2)
+    done = f"{namespace}/{NAME}: reconciled generation"
+    active.wait_for_log(f"{done} 2")
+    assert done not in standby.log()
+
+    # One manager applied the Deployment, and it stays put: no tug of war.
+    live = deployment(cluster, namespace)
+    managers = {
+        m["manager"] for m in live["metadata"]["managedFields"] if m["operation"] == "Apply"
+    }
+    assert managers == {meta.FIELD_MANAGER}
+    time.sleep(3)
+    assert (
+        deployment(cluster, namespace)["metadata"]["resourceVersion"]
+        == (live["metadata"]["resourceVersion"])
+    )
+
+    active.stop()  # leaves the peering object on the way out; the standby takes over
+    standby.wait_for_log(r"Resuming operations")
+    patch_spec(cluster, namespace, {"engine": {"blockSize": 64}})
+    ready(cluster, namespace, generation=3)
+    assert flag(deployment(cluster, namespace), "--block-size") == "64"
+    standby.wait_for_log(f"{done} 3")
+
+
+# Last in the file: by now the garbage collector has long discovered the new CRD (see crds).
+def test_deleting_the_inference_service_garbage_collects_everything(
+    cluster: ClusterHandle, namespace: str, operators: Operators, crds: GarbageCollectorProbe
+) -> None:
+    operator = operators.start()
+    create_example(cluster, namespace)
+    crds.wait()  # a cluster where the CRD is older than the GC's discovery period
+    assert get_isvc(cluster, namespace)["metadata"].get("finalizers") is None
+    selector = meta.selector_string(NAME)
+
+    def remaining() -> dict[str, int]:
+        from kubernetes import client
+
+        lists = {
+            "deployments": cluster.apps.list_namespaced_deployment,
+            "replicasets": cluster.apps.list_namespaced_replica_set,
+            "pods": cluster.core.list_namespaced_pod,
+            "services": cluster.core.list_namespaced_service,
+            "hpas": cluster.autoscaling.list_namespaced_horizontal_pod_autoscaler,
+            "pdbs": client.PolicyV1Api(cluster.api).list_namespaced_pod_disruption_budget,
+        }
+        counts = {
+            kind: len(ls(namespace, label_selector=selector).items) for kind, ls in lists.items()
+        }
+        return {kind: count for kind, count in counts.items() if count}
+
+    assert remaining() == {
+        "deployments": 1,
+        "replicasets": 1,
+        "pods": 1,
+        "services": 1,
+        "hpas": 1,
+        "pdbs": 1,
+    }
+    # Stopped first: deletion must need nothing from the operator, only owner references and
+    # the garbage collector.
+    operator.stop()
+    cluster.custom.delete_namespaced_custom_object(
+        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, NAME
+    )
+    wait_for("everything garbage-collected", remaining, lambda left: left == {}, timeout_s=60)
