@@ -241,11 +241,14 @@ class Reconciler:
     def _pods_if_unready(
         self, namespace: str, name: str, deployment: dict[str, Any] | None
     ) -> list[dict[str, Any]]:
-        """The pods, only when some replica is not ready (they explain why; else not needed)."""
+        """The pods, unless every replica runs the current template and is ready (then they
+        have nothing to explain); during a rollout a new pod may be stuck behind old ready ones."""
         if deployment is None:
             return []
         desired = deployment.get("spec", {}).get("replicas", 1)
-        if deployment.get("status", {}).get("readyReplicas", 0) >= desired:
+        status = deployment.get("status", {})
+        counts = (status.get(key, 0) for key in ("replicas", "updatedReplicas", "readyReplicas"))
+        if all(count == desired for count in counts):
             return []
         selector = meta.selector_string(name)
         pods = self._core.list_namespaced_pod(

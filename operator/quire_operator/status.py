@@ -125,7 +125,7 @@ def _conditions(obs: Observation) -> list[tuple[str, bool, str, str]]:
             f"{desired}/{desired} replicas up to date",
         )
     else:
-        message = f"{updated}/{desired} replicas updated, {available} available"
+        message = f"{updated}/{desired} replicas updated, {ready}/{status.get('replicas', 0)} ready"
         progressing = ("Progressing", True, "RollingOut", message)
 
     if degraded is None:

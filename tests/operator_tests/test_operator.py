@@ -10,6 +10,7 @@ API server stored it, so these tests prove that what the builders say is what th
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -427,6 +428,31 @@ def test_missing_secret_degrades_and_recovers_once_it_exists(
     assert token in init["env"]
 
 
+def test_unschedulable_replicas_degrade_with_the_schedulers_reason(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    operators.start()
+    create_example(cluster, namespace)
+
+    patch_spec(cluster, namespace, {"resources": {"gpus": 16}})  # no node has 16
+    isvc = wait_for(
+        "Degraded=Unschedulable",
+        lambda: get_isvc(cluster, namespace),
+        lambda obj: condition(obj, "Degraded").get("reason") == "Unschedulable",
+        timeout_s=30,
+    )
+    message = condition(isvc, "Degraded")["message"]
+    unschedulable = r"pod tiny-[a-z0-9]+-[a-z0-9]+: 0/2 nodes are available: 2 Insufficient nvidia"
+    assert re.match(unschedulable, message), message
+    # The old replica keeps serving while the new one cannot be placed.
+    assert condition(isvc, "Ready")["status"] == "True"
+    assert condition(isvc, "Progressing")["reason"] == "RollingOut"
+
+    patch_spec(cluster, namespace, {"resources": {"gpus": 1}})
+    isvc = ready(cluster, namespace, generation=3)
+    assert condition(isvc, "Degraded")["reason"] == "AsExpected"
+
+
 def test_operator_restart_mid_way_converges(
     cluster: ClusterHandle, namespace: str, operators: Operators
 ) -> None:
@@ -468,16 +494,14 @@ def test_two_operators_do_not_fight(
     active.wait_for_log(f"{done} 2")
     assert done not in standby.log()
 
-    # One manager applied the Deployment, and it stays put: no tug of war.
+    # One manager applied the Deployment, and its spec stays put: no tug of war (generation
+    # moves with every spec write; the controllers' status writes do not count).
     live = deployment(cluster, namespace)
-    managers = {
-        m["manager"] for m in live["metadata"]["managedFields"] if m["operation"] == "Apply"
-    }
-    assert managers == {meta.FIELD_MANAGER}
+    managed = live["metadata"]["managedFields"]
+    assert {m["manager"] for m in managed if m["operation"] == "Apply"} == {meta.FIELD_MANAGER}
     time.sleep(3)
     assert (
-        deployment(cluster, namespace)["metadata"]["resourceVersion"]
-        == (live["metadata"]["resourceVersion"])
+        deployment(cluster, namespace)["metadata"]["generation"] == live["metadata"]["generation"]
     )
 
     active.stop()  # leaves the peering object on the way out; the standby takes over

@@ -70,7 +70,7 @@ def test_transition_time_moves_only_with_the_status() -> None:
     assert conditions(before)["Progressing"] == (
         "True",
         "RollingOut",
-        "2/2 replicas updated, 1 available",
+        "2/2 replicas updated, 1/2 ready",
     )
 
 
