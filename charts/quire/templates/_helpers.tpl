@@ -128,10 +128,11 @@ except for the HPA and PDB, which the operator removes when the spec no longer a
   verbs: [create]
 {{- end -}}
 
-{{/* kopf peering: quire-operator creates its peering object at start, kopf watches it and
-patches its replicas' keep-alives into it. */}}
+{{/* kopf peering: quire-operator creates its peering object at start (create), kopf watches it
+(list, watch) and patches its replicas' keep-alives into it (patch). */}}
 {{- define "quire.rbac.peeringRules" -}}
+# kopf peering: the operator replicas' keep-alives, one active at a time.
 - apiGroups: [kopf.dev]
   resources: [{{ . }}]
-  verbs: [get, list, watch, create, patch]
+  verbs: [list, watch, create, patch]
 {{- end -}}
