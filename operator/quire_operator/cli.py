@@ -24,6 +24,7 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from quire_operator import meta
 from quire_operator.config import DEFAULT_ENGINE_IMAGE, OperatorConfig
 from quire_operator.handlers import register
 from quire_operator.reconcile import Reconciler, api_message
@@ -87,6 +88,18 @@ def api_client() -> client.ApiClient:
     return config.new_client_from_config()
 
 
+def require_crd(api: client.ApiClient) -> None:
+    """Refuse to start unless the API server serves InferenceServices: kopf resolves resources
+    once at startup (settings.py), so an operator started before its CRD would serve nothing."""
+    groups = client.ApisApi(api).get_api_versions().groups
+    served = {(g.name, v.version) for g in groups for v in g.versions}
+    if (meta.GROUP, meta.VERSION) not in served:
+        raise SystemExit(
+            f"quire-operator: the API server does not serve {meta.API_VERSION} InferenceServices; "
+            "install the CRD first: kubectl apply -f crds/inferenceservices.quire.dev.yaml"
+        )
+
+
 def ensure_peering(api: client.ApiClient, name: str, namespaces: Sequence[str] | None) -> None:
     """Create the peering object(s) if missing: without one, kopf runs every replica at once."""
     custom = client.CustomObjectsApi(api)
@@ -132,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_image=args.engine_image, cluster_domain=args.cluster_domain
     )
     api = api_client()
+    require_crd(api)
     namespaces = None if args.all_namespaces else list(dict.fromkeys(args.namespaces))
     if not args.standalone:
         ensure_peering(api, args.peering, namespaces)

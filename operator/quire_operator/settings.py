@@ -23,4 +23,9 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.connect_timeout = 30
     # The handlers' API calls are short; a hung request must not hold a reconcile for 5 minutes.
     settings.networking.request_timeout = 60
+    # No cluster scans: the namespaces are named on the command line (no patterns) and the
+    # resources are fixed when the operator starts (cli.py checks the CRD is served; the chart
+    # installs CRDs first). Scanning would need cluster-wide list/watch of namespaces and CRDs,
+    # which a namespaced install must not have; refused, kopf holds the watches back for a minute.
+    settings.scanning.disabled = True
     return settings
