@@ -30,7 +30,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quire-engine", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve_help = "serve the OpenAI-compatible HTTP API (default: the embedded tiny model)"
-    serve = commands.add_parser("serve", help=serve_help, description=serve_help)
+    # No prefix matching: an operator-managed flag must never be overridden by an abbreviation
+    # (e.g. `--block 32` in an InferenceService's extraArgs).
+    serve = commands.add_parser(
+        "serve", help=serve_help, description=serve_help, allow_abbrev=False
+    )
     if argv and argv[0] == "serve":
         importlib.import_module("quire_engine.serve").add_arguments(serve)
     bench = commands.add_parser("bench", help="run a benchmark and print JSON")

@@ -184,3 +184,11 @@ def test_bench_serve_against_quire_engine_serve(
     finished = [line for line in lines if "finished: reason=length" in line["message"]]
     assert len(finished) == 6
     assert lines[-2]["message"] == "Application shutdown complete."
+
+
+def test_abbreviated_flags_are_rejected() -> None:
+    # The operator passes extraArgs after its own flags; `--block 32` must not silently
+    # override --block-size by prefix matching.
+    with pytest.raises(SystemExit):
+        parse_serve("--block", "32")
+    assert parse_serve("--block-size", "32").block_size == 32
