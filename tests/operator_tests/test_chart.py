@@ -26,6 +26,7 @@ from quire_engine.metrics import ServerMetrics
 from quire_operator import meta
 from quire_operator.deployment import PORT_NAME
 from quire_operator.objects import KV_CACHE_METRIC, PREEMPTION_METRIC, QUEUE_METRIC
+from quire_operator.settings import operator_settings
 from tests.cluster.build import K8S_VERSION
 from tests.cluster.client import ClusterHandle
 
@@ -61,6 +62,13 @@ def test_chart_crds_are_byte_copies_of_the_top_level_crds() -> None:
     assert chart.keys() == top.keys(), "charts/quire/crds/ must hold exactly the CRDs of crds/"
     stale = sorted(name for name in top if chart[name] != top[name])
     assert not stale, f"charts/quire/crds/ differs from crds/ in {stale}: cp crds/*.yaml there"
+
+
+def test_operator_needs_no_cluster_scans() -> None:
+    # The chart's RBAC has no cluster-wide read of CRDs or namespaces (a namespaced install must
+    # not need one). kopf would list and watch every CRD, and in namespaced mode every namespace,
+    # unless scanning is off; refused, it logs 403s for a minute and holds the watches back.
+    assert operator_settings().scanning.disabled is True
 
 
 def schema_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:

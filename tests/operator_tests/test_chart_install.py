@@ -28,7 +28,6 @@ from typing import Any
 import pytest
 import yaml
 
-from quire_operator.settings import operator_settings
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
 
@@ -210,12 +209,12 @@ def condition(obj: Any, kind: str) -> dict[str, Any]:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
-def wait_ready(cluster: ClusterHandle, namespace: str, name: str, timeout_s: float = 60) -> Any:
+def wait_ready(cluster: ClusterHandle, namespace: str, name: str) -> Any:
     return wait_for(
         f"InferenceService {namespace}/{name} to be Ready",
         lambda: kubectl_json(cluster, "get", "inferenceservice", name, "-n", namespace),
         lambda qis: condition(qis, "Ready").get("status") == "True",
-        timeout_s=timeout_s,
+        timeout_s=60,
     )
 
 
@@ -226,28 +225,8 @@ def can_i(cluster: ClusterHandle, release: Release, *args: str) -> bool:
     return proc.stdout.strip() == "yes"
 
 
-# kopf "scans" the cluster unless settings.scanning.disabled is set: it lists and watches every
-# CRD (to notice resources appearing later) and, when it serves named namespaces, lists the
-# namespaces (to match patterns). The chart grants neither: quire-operator serves one CRD that
-# exists before it starts, in namespaces named on its command line, and a namespaced install
-# must not need cluster-wide reads. Without that setting kopf logs these 403s for about a minute,
-# then falls back to exactly that (and, in namespaced mode, starts watching only then).
-SCANNING_REQUESTS = (
-    "/apis/apiextensions.k8s.io/v1/customresourcedefinitions ",
-    "/api/v1/namespaces ",
-)
-
-
-def scanning_disabled() -> bool:
-    return bool(operator_settings().scanning.disabled)
-
-
 def forbidden_lines(log: str) -> list[str]:
-    """403s in the operator's log, except kopf's cluster scans while the operator enables them."""
-    forbidden = [line for line in log.splitlines() if "forbidden" in line.lower()]
-    if scanning_disabled():
-        return forbidden
-    return [line for line in forbidden if not any(f"{r}->" in line for r in SCANNING_REQUESTS)]
+    return [line for line in log.splitlines() if "forbidden" in line.lower()]
 
 
 def assert_no_wildcards(rules: list[dict[str, Any]]) -> None:
@@ -283,6 +262,12 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
     with run_operator(cluster, release, tmp_path / "operator.log") as process:
         apply_example(cluster, workload, "tiny-cpu.yaml")
         apply_example(cluster, workload, "gpu-autoscaling.yaml")
+        # As the README tells users to wait for it.
+        waited = cluster.kubectl(
+            "wait", "--for=condition=Ready", "inferenceservice/tiny-cpu", "-n", workload,
+            "--timeout=60s",
+        )  # fmt: skip
+        assert waited.stdout == "inferenceservice.quire.dev/tiny-cpu condition met\n", waited.stderr
         tiny = wait_ready(cluster, workload, "tiny-cpu")
         assert tiny["status"]["readyReplicas"] == 1
         assert tiny["status"]["url"] == f"http://tiny-cpu.{workload}.svc.cluster.local:8000"
@@ -336,6 +321,8 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         ("create", "inferenceservices.quire.dev", "-n", workload),
         ("delete", "inferenceservices.quire.dev", "-n", workload),
         ("create", "namespaces"),
+        ("list", "namespaces"),
+        ("list", "customresourcedefinitions.apiextensions.k8s.io"),
         ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
         ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
         ("bind", "clusterroles.rbac.authorization.k8s.io"),
@@ -406,8 +393,7 @@ def test_namespaced_mode_is_confined_to_one_namespace(
         with run_operator(cluster, release, tmp_path / "operator.log") as process:
             apply_example(cluster, workload, "tiny-cpu.yaml")
             apply_example(cluster, namespace, "tiny-cpu.yaml")  # outside its namespace
-            # kopf's namespace scan, refused, holds the watches back ~1 min (SCANNING_REQUESTS).
-            wait_ready(cluster, workload, "tiny-cpu", timeout_s=60 if scanning_disabled() else 150)
+            wait_ready(cluster, workload, "tiny-cpu")
             ignored = kubectl_json(cluster, "get", "inferenceservice", "tiny-cpu", "-n", namespace)
             assert "status" not in ignored
             assert cluster.kubectl("get", "deployment", "tiny-cpu", "-n", namespace).returncode == 1
