@@ -50,7 +50,6 @@ class _Request:
     params: SamplingParams
     samples: list[_Sample] = field(default_factory=list)
     beam: beam_search.BeamState | None = None
-    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -223,14 +222,14 @@ class LLMEngine:
                 targets.append((req, smp, j))
 
         touched: dict[str, _Request] = {}
-        if rows:
-            result = sample(logits[row_index], rows)
-            primary = {
-                smp.seq.seq_id: tok
-                for (req, smp, j), tok in zip(targets, result.token_ids, strict=True)
-                if j == 0
-            }
-            self.scheduler.update(out, primary)
+        result = sample(logits[row_index], rows) if rows else None
+        primary = {
+            smp.seq.seq_id: tok
+            for (_, smp, j), tok in zip(targets, result.token_ids if result else [], strict=True)
+            if j == 0
+        }
+        self.scheduler.update(out, primary)
+        if result is not None:
             # Fork every new sample before any stop check can finish (and free) its parent.
             streams = [
                 smp if j == 0 else self._fork_sample(req, smp, j, tok, rows[k].generator)
@@ -243,8 +242,6 @@ class LLMEngine:
                 top = result.top_logprobs[k] if result.top_logprobs is not None else None
                 self._emit_token(req, stream, result.token_ids[k], lp, top)
                 touched[req.request_id] = req
-        else:
-            self.scheduler.update(out, {})
         for req, seq, i in beam_rows:
             if req.request_id in self._requests:
                 self._beam_logits(req, seq, logits[i])

@@ -30,4 +30,3 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    num_cached_tokens: int = 0
