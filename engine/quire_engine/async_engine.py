@@ -16,6 +16,19 @@ Ownership:
   blocks and when the client disconnects.
 * Stopping the engine (``stop()``) aborts every live request, so the pool ends empty.
 
+Failures:
+
+* A request that fails on its own inside the engine (see ``LLMEngine``) arrives as a finished
+  output with ``error`` set; ``RequestHandle.error`` keeps it for the server to report.
+* If loading or a step raises, the engine is dead: every pending submit and every open handle is
+  answered with ``EngineUnavailable`` (code ``engine_down``), later submits are refused at once,
+  and ``on_death`` is called.
+* A step that makes no progress for ``step_timeout`` seconds while work is pending is treated the
+  same way (code ``engine_hung``; ``alive`` turns False, so ``/health`` answers 503): a watchdog
+  task on the event loop checks it. If the step ever returns, the thread stops.
+* Draining (``begin_drain``, on SIGTERM): no new request is admitted (code ``shutting_down``) while
+  the live ones go on; ``fail_open`` ends those still open at the deadline.
+
 Outputs are cumulative (text and tokens so far), so a consumer slower than the engine loses
 nothing when only the latest output per prompt is kept: a slow client gets bigger deltas instead
 of an unbounded queue.
@@ -124,6 +137,7 @@ class RequestHandle:
         self._ids = request_ids
         self._sink = sink
         self._pending = set(range(len(request_ids)))
+        self.error: str | None = None  # the first prompt that failed inside the engine, if any
 
     @property
     def aborted(self) -> bool:
@@ -136,7 +150,7 @@ class RequestHandle:
             return
         self._sink.aborted = True
         self._sink.event.set()
-        self._engine._abort([self._ids[i] for i in self._pending])
+        self._engine.abort([self._ids[i] for i in self._pending])
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt index, cumulative output)`` until every prompt finished; stops early (without
@@ -154,6 +168,8 @@ class RequestHandle:
                 output = batch[index]
                 if output.finished:
                     self._pending.discard(index)
+                if output.error is not None and self.error is None:
+                    self.error = output.error
                 yield index, output
 
 
@@ -169,23 +185,36 @@ class AsyncEngine:
         metrics: ServerMetrics,
         *,
         max_waiting: int | None = None,
+        step_timeout: float | None = None,
         engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
         on_death: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.step_timeout = step_timeout
         self._factory = engine_factory
         self._on_death = on_death
+        self._death_reported = threading.Lock()
+        self._died = False
         # Written by the engine thread, read by the event loop (single assignments).
         self.state = EngineState.LOADING
         self.info: ModelInfo | None = None
         self.steps = 0
         self.max_abort_lag_steps = 0  # steps run between an abort request and its application
         self._num_waiting = 0
+        # Watchdog: when the engine thread last made progress, and whether it is idle (blocked
+        # waiting for a command, so no progress is due).
+        self._last_progress = time.monotonic()
+        self._idle = True
+        self._hung = False  # set by the watchdog; the engine thread stops after its step
         # Event loop only.
         self._routes: dict[str, tuple[_Sink, int]] = {}
         self._pending_adds = 0
+        self._submits: set[asyncio.Future[None]] = set()  # adds the engine has not answered yet
+        self._failure: EngineUnavailable | None = None  # set once the engine died or hung
+        self._draining = False
+        self._watchdog: asyncio.Task[None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -196,10 +225,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._main, name="quire-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout is not None:
+            self._watchdog = self._loop.create_task(self._watch(self.step_timeout))
 
     async def stop(self) -> None:
         """Abort every request, end the thread, wait for it (bounded: a model still loading
         cannot be interrupted, and the thread is a daemon)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._thread is None:
             return
         self._commands.put(_Stop())
@@ -217,6 +250,12 @@ class AsyncEngine:
 
     def not_ready(self) -> EngineUnavailable | None:
         """Why no request can be taken now; None once the model is loaded and warmed up."""
+        if self._failure is not None:
+            return self._failure
+        if self._draining:
+            return EngineUnavailable(
+                "the server is shutting down", code="shutting_down", retry_after=5
+            )
         if self.state is EngineState.LOADING:
             return EngineUnavailable("the model is still loading", code="not_ready", retry_after=5)
         if self.state is not EngineState.READY or self.info is None:
@@ -264,6 +303,9 @@ class AsyncEngine:
             self._routes[rid] = (sink, index)
         future: asyncio.Future[None] = self._loop.create_future()
         self._pending_adds += len(ids)
+        # Registered on the event loop before the command is queued: if the engine dies before
+        # answering it, _fail_all (also on the event loop) answers it instead.
+        self._submits.add(future)
         self._commands.put(_Add(ids, prompts, params, arrival or time.monotonic(), future))
         try:
             await future
@@ -275,10 +317,28 @@ class AsyncEngine:
                 self._commands.put(_Abort(ids, self.steps))
             raise
         finally:
+            self._submits.discard(future)
             self._pending_adds -= len(ids)
         return RequestHandle(self, ids, sink)
 
-    def _abort(self, request_ids: list[str]) -> None:
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and not yet finished, aborted or failed (event loop)."""
+        return len(self._routes)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (``/ready`` turns 503); live ones go on."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def fail_open(self, error: EngineUnavailable) -> None:
+        """End every open request with ``error`` and abort it in the engine (event loop)."""
+        self._fail_all(error)
+
+    def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
         if live:
             self._commands.put(_Abort(live, self.steps))
@@ -303,9 +363,67 @@ class AsyncEngine:
                 future.set_exception(error)
 
     def _fail_all(self, error: Exception) -> None:
+        """Answer every open handle and every unanswered submit with ``error`` (event loop)."""
+        if self._routes:
+            self._commands.put(_Abort(list(self._routes), self.steps))
         for sink, _ in list(self._routes.values()):
             sink.fail(error)
         self._routes.clear()
+        for future in list(self._submits):
+            if not future.done():
+                future.set_exception(error)
+
+    def _die(self, error: EngineUnavailable) -> None:
+        """The engine is gone (event loop): answer everyone, refuse everything from now on."""
+        self._failure = error
+        self._fail_all(error)
+
+    def _report_death(self) -> None:
+        """Call ``on_death`` once, from whichever thread noticed first."""
+        with self._death_reported:
+            if self._died:
+                return
+            self._died = True
+        if self._on_death is not None:
+            self._on_death()
+
+    # ---- watchdog (event loop) -----------------------------------------------------------
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been busy without progress (0 when idle or loading)."""
+        if self._idle or self.state is not EngineState.READY:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
+
+    def check_progress(self) -> None:
+        """Declare the engine hung if a step has run longer than ``step_timeout``."""
+        timeout = self.step_timeout
+        if timeout is None or self._hung or self.state is not EngineState.READY:
+            return
+        stalled = self.stalled_for()
+        if stalled <= timeout:
+            return
+        self._hung = True
+        self.state = EngineState.DEAD
+        logger.error(
+            "the engine made no progress for %.0f s with work pending (step timeout %.0f s); "
+            "failing every request and reporting unhealthy",
+            stalled,
+            timeout,
+        )
+        self._die(
+            EngineUnavailable(
+                f"the engine made no progress for {stalled:.0f} s",
+                code="engine_hung",
+                retry_after=30,
+            )
+        )
+        self._report_death()
+
+    async def _watch(self, timeout: float) -> None:
+        interval = min(1.0, timeout / 4)
+        while self.state in (EngineState.LOADING, EngineState.READY):
+            await asyncio.sleep(interval)
+            self.check_progress()
 
     def _post(self, fn: Callable[[Any], None], arg: object) -> None:
         assert self._loop is not None
@@ -328,22 +446,25 @@ class AsyncEngine:
                 "engine ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len
             )
             self._serve(engine, recorder)
-            self.state = EngineState.STOPPED
+            if not self._hung:  # a hung engine stays dead even if its step came back
+                self.state = EngineState.STOPPED
         except BaseException:
             self.state = EngineState.DEAD
             logger.exception("the engine loop died")
-            if self._on_death is not None:
-                self._on_death()
+            self._report_death()
         finally:
             self._shut_down(engine, recorder)
 
     def _serve(self, engine: LLMEngine, recorder: StatsRecorder) -> None:
         while self._apply_commands(engine, recorder, block=not engine.has_unfinished()):
+            if self._hung:  # the watchdog gave up on this engine while the step ran
+                return
             if not engine.has_unfinished():
                 continue
             start = time.monotonic()
             outputs = engine.step()
             end = time.monotonic()
+            self._last_progress = end
             self.steps += 1
             if not outputs and not engine.scheduler.has_unfinished():
                 raise RuntimeError("engine stalled: requests left but nothing to schedule")
@@ -356,7 +477,13 @@ class AsyncEngine:
     def _apply_commands(self, engine: LLMEngine, recorder: StatsRecorder, *, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False once told to stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            if block:
+                self._idle = True  # nothing pending: no progress is due while blocked
+                command = self._commands.get()
+                self._last_progress = time.monotonic()
+                self._idle = False
+            else:
+                command = self._commands.get_nowait()
         except queue.Empty:
             return True
         resolutions: list[tuple[asyncio.Future[None], Exception | None]] = []
@@ -389,7 +516,9 @@ class AsyncEngine:
             ):
                 engine.add_request(rid, prompt, params)
                 added.append(rid)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError: bad input (400); anything else: a bug (500)
+            if not isinstance(exc, ValueError):
+                logger.exception("adding request %s failed", command.request_ids[0])
             for rid in added:  # all prompts of a request or none
                 engine.abort_request(rid)
             return exc
@@ -412,7 +541,7 @@ class AsyncEngine:
         if engine is not None and recorder is not None:
             now = time.monotonic()
             try:
-                for rid in recorder.live_ids():
+                for rid in engine.requests.ids():
                     engine.abort_request(rid)
                     recorder.aborted(rid, now)
                 recorder.refresh()
@@ -434,7 +563,10 @@ class AsyncEngine:
                 resolutions.append((command.future, error))
         if resolutions:
             self._post(self._resolve, resolutions)
-        self._post(self._fail_all, error)
+        if stopped:
+            self._post(self._fail_all, error)
+        elif not self._hung:  # the watchdog already answered everyone
+            self._post(self._die, error)
 
 
 def _warm_up(engine: LLMEngine) -> None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quire_engine.outputs import CompletionOutput
 
 if TYPE_CHECKING:
-    from quire_engine.engine import LLMEngine, _Request
+    from quire_engine.request_table import Request, RequestTable
 
 
 @dataclass(slots=True)
@@ -60,10 +60,9 @@ def rank(beams: Seq[tuple[str, float, torch.Tensor]], width: int) -> list[tuple[
     return [(score, sid, tok) for score, _, tok, sid in cands]
 
 
-def advance(engine: LLMEngine, req: _Request, state: BeamState) -> None:
-    """Choose the next beams and apply the choice: forks first (they need their parent alive),
-    then appends, then pruning of beams nobody continues."""
-    eos = engine.eos_token_id
+def advance(table: RequestTable, req: Request, state: BeamState, eos: int | None) -> None:
+    """Choose the next beams and apply the choice through the request table: forks first (they
+    need their parent alive), then appends, then pruning of beams nobody continues."""
     beams = [(sid, state.cumulative.get(sid, 0.0), state.pending[sid]) for sid in state.active]
     chosen: list[tuple[float, str, int]] = []
     for position, (score, sid, tok) in enumerate(rank(beams, state.width)):
@@ -71,50 +70,43 @@ def advance(engine: LLMEngine, req: _Request, state: BeamState) -> None:
             break
         if tok == eos and not state.ignore_eos:
             if position < state.width:
-                seq = engine._owner[sid][1].seq
+                seq = table.owner(sid)[1].seq
                 state.finished.append(([*seq.output_token_ids, tok], score, "stop"))
             continue
         chosen.append((score, sid, tok))
     state.pending.clear()
 
-    sched = engine.scheduler
+    sched = table.scheduler
     used: set[str] = set()
     plan = []  # (sequence, token, score)
     for score, sid, tok in chosen:
-        seq = engine._owner[sid][1].seq
+        parent = table.owner(sid)[1]
+        seq = parent.seq
         if sid in used:
-            child = seq.fork(f"{req.request_id}/b{next(state._ids)}")
-            sched.fork(seq, child)
-            engine._new_sample(req, child, index=len(req.samples))
-            seq = child
+            child_id = f"{req.request_id}/b{next(state._ids)}"
+            seq = table.fork(req, parent, child_id, index=len(req.samples), generator=None).seq
         used.add(sid)
         plan.append((seq, tok, score))
     for sid in state.active:
         if sid not in used:
-            _retire(engine, req, sid)
+            table.retire(req, table.owner(sid)[1])
     state.active = []
     state.cumulative = {}
     for seq, tok, score in plan:
         if sched.append(seq, tok):  # reached max_tokens / max_model_len
             state.finished.append((list(seq.output_token_ids), score, "length"))
-            _retire(engine, req, seq.seq_id)
+            table.retire(req, table.owner(seq.seq_id)[1])
         else:
             state.active.append(seq.seq_id)
             state.cumulative[seq.seq_id] = score
 
 
-def _retire(engine: LLMEngine, req: _Request, sid: str) -> None:
-    _, smp = engine._owner.pop(sid)
-    engine.scheduler.finish(smp.seq, "abort")
-    req.samples.remove(smp)
-
-
-def outputs(engine: LLMEngine, state: BeamState) -> list[CompletionOutput]:
+def outputs(tokenizer: Any, state: BeamState) -> list[CompletionOutput]:
     best = sorted(state.finished, key=lambda f: -f[1])[: state.width]
     return [
         CompletionOutput(
             index=i,
-            text=str(engine.tokenizer.decode(tokens, skip_special_tokens=True)),
+            text=str(tokenizer.decode(tokens, skip_special_tokens=True)),
             token_ids=tokens,
             cumulative_logprob=score,
             finish_reason=reason,

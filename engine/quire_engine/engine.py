@@ -4,6 +4,16 @@
 sampling state. ``step()`` returns the outputs of the requests that progressed. The offline ``LLM``
 and the async server are thin layers over it.
 
+Request and sample bookkeeping lives in one ``RequestTable`` (``self.requests``); the step loop,
+beam search and aborts use its methods. ``add_request`` validates everything before the table and
+the scheduler change, so a rejected request leaves no trace.
+
+Failure isolation: an exception raised while handling one request's results (its sampling rows,
+forks, detokenization, stop checks or beam step) finishes that request only: its blocks are
+returned and its ``RequestOutput`` ends with ``finish_reason`` "abort" and ``error`` set. Only a
+failure of the batch itself (scheduling, the model forward, applying the step to the scheduler)
+propagates out of ``step()``: the engine is then unusable and its owner must treat it as dead.
+
 Sequences and requests: a request has one sample stream per ``n``; all but the first are forked
 from the first once its prompt is computed, so the prompt's blocks are shared (copy-on-write on
 the partially filled last block). Beam search (see ``beam_search``) forks and prunes beams the
@@ -13,49 +23,31 @@ returns the sequence's blocks.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from quire_engine import beam_search, model_loader
 from quire_engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
-from quire_engine.detokenizer import Detokenizer, find_stop
+from quire_engine.detokenizer import find_stop
 from quire_engine.model_runner import CacheShape, ModelRunner, profile_peak_memory, size_pool
 from quire_engine.outputs import CompletionOutput, RequestOutput
-from quire_engine.sampler import SampleRow, sample
+from quire_engine.request_table import Request, RequestTable, Sample
+from quire_engine.sampler import SampleResult, SampleRow, sample
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.scheduler import Scheduler
 from quire_engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class _Sample:
-    """One output stream of a request: its sequence, RNG, detokenizer and output so far."""
-
-    seq: Sequence
-    generator: torch.Generator | None
-    detok: Detokenizer
-    output: CompletionOutput
+_T = TypeVar("_T")
+_Sampled = tuple[int, float | None, dict[int, float] | None]  # token, its logprob, top logprobs
 
 
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample] = field(default_factory=list)
-    beam: beam_search.BeamState | None = None
-
-    @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
-        return len(self.samples) == self.params.n and all(s.output.finished for s in self.samples)
+# One planned sampling row: (request, the sample it continues, its sample index j, logits row).
+_Row = tuple[Request, Sample, int, int]
 
 
 class LLMEngine:
@@ -119,10 +111,8 @@ class LLMEngine:
             num_cpu_blocks,
             max_len,
         )
-        self._requests: dict[str, _Request] = {}
-        self._owner: dict[str, tuple[_Request, _Sample]] = {}
+        self.requests = RequestTable(self.scheduler, self.tokenizer)
         self._rng = torch.Generator().manual_seed(config.seed)
-        self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -133,7 +123,7 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must contain at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if _not_token(t, self.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         return None, ids
@@ -147,108 +137,167 @@ class LLMEngine:
         cache_salt: str | None = None,
         beam_width: int | None = None,
     ) -> None:
-        """Queue a request; ``ValueError`` (nothing held) for bad input or one that cannot fit."""
-        if request_id in self._requests:
+        """Queue a request; ``ValueError`` for bad input or one that cannot fit. Transactional:
+        everything is validated and built first, and a rejection leaves the request table and
+        the scheduler exactly as they were."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams; got {type(params).__name__}")
+        if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        width = self._check_fit(params, beam_width)
         text, ids = self.tokenize(prompt)
-        req = _Request(request_id, text, ids, params)
-        seq = Sequence(f"{request_id}/0", ids, max_tokens=params.max_tokens, cache_salt=cache_salt)
-        self.scheduler.add(seq)  # validates length and pool fit
+        req = Request(request_id, text, ids, params)
         if beam_width is not None:
             req.beam = beam_search.BeamState(beam_width, ignore_eos=params.ignore_eos)
-            req.beam.active.append(seq.seq_id)
-        self._requests[request_id] = req
-        self._new_sample(req, seq, index=0)
-
-    def _new_sample(
-        self, req: _Request, seq: Sequence, index: int, generator: torch.Generator | None = None
-    ) -> _Sample:
-        """Register a sample stream; its output starts empty (tokens arrive via _emit_token)."""
-        params = req.params
-        if generator is None:
-            generator = self._fork_generator(req, index)
-        want_lp = params.logprobs is not None
-        out = CompletionOutput(
-            index=index,
-            cumulative_logprob=0.0 if want_lp or req.beam is not None else None,
-            logprobs=[] if want_lp else None,
+        seq = Sequence(
+            f"{request_id}/0",
+            ids,
+            max_tokens=params.max_tokens,
+            cache_salt=cache_salt,
+            reserved_seqs=width,
         )
-        sample_ = _Sample(seq, generator, Detokenizer(self.tokenizer, req.prompt_token_ids), out)
-        req.samples.append(sample_)
-        self._owner[seq.seq_id] = (req, sample_)
-        return sample_
+        first = self.requests.new_sample(req, seq, 0, self._fork_generator(req, 0))
+        self.requests.add(req, first)  # the scheduler's checks; nothing changed if it raises
+        if req.beam is not None:
+            req.beam.active.append(seq.seq_id)
+
+    def _check_fit(self, params: SamplingParams, beam_width: int | None) -> int:
+        """Engine-dependent limits; returns how many sequences the request runs at once."""
+        width = params.n if beam_width is None else beam_width
+        name = "n" if beam_width is None else "beam_width"
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {width!r}")
+        limit = self.scheduler.config.max_num_seqs
+        if width > limit:
+            raise ValueError(f"{name}={width} exceeds max_num_seqs={limit}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return width
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state and free its blocks. Unknown ids are ignored."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        for s in req.samples:
-            self.scheduler.finish(s.seq, "abort")
-            self._owner.pop(s.seq.seq_id, None)
-            if s.output.finish_reason is None:
-                s.output.finish_reason = "abort"
+        self.requests.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return len(self.requests) > 0
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(self.requests)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward pass; outputs of the requests that progressed."""
+        """One scheduler step and one forward pass; outputs of the requests that progressed
+        (including those that failed in this step, finished with ``error``)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         logits = self.runner.execute(out)  # [num_sampling_seqs, vocab]
         sampling = [seq for seq, s in zip(out.seqs, out.samples, strict=True) if s]
 
-        rows: list[SampleRow] = []
-        row_index: list[int] = []
-        targets: list[tuple[_Request, _Sample, int]] = []  # (request, parent sample, sample idx)
-        beam_rows: list[tuple[_Request, Sequence, int]] = []
+        touched: dict[str, Request] = {}
+        plan: list[_Row] = []
+        gens: list[torch.Generator | None] = []
+        beam_rows: list[tuple[Request, Sequence, int]] = []
         for i, seq in enumerate(sampling):
-            req, smp = self._owner[seq.seq_id]
+            req, smp = self.requests.owner(seq.seq_id)
+            touched[req.request_id] = req
             if req.beam is not None:
                 beam_rows.append((req, seq, i))
                 continue
             fan_out = req.params.n if len(req.samples) == 1 and not seq.output_token_ids else 1
             for j in range(fan_out):
-                gen = smp.generator if j == 0 else self._fork_generator(req, j)
-                rows.append(SampleRow(req.params, gen, smp.seq.output_token_ids))
-                row_index.append(i)
-                targets.append((req, smp, j))
-
-        touched: dict[str, _Request] = {}
-        result = sample(logits[row_index], rows) if rows else None
+                gen = smp.generator if j == 0 else self._isolated(req, self._fork_generator, req, j)
+                plan.append((req, smp, j, i))
+                gens.append(gen)
+        tokens = self._sample(logits, plan, gens)
         primary = {
             smp.seq.seq_id: tok
-            for (_, smp, j), tok in zip(targets, result.token_ids if result else [], strict=True)
-            if j == 0
+            for (req, smp, j, _), (tok, _, _) in zip(plan, tokens, strict=True)
+            if j == 0 and req.error is None
         }
-        self.scheduler.update(out, primary)
-        if result is not None:
-            # Fork every new sample before any stop check can finish (and free) its parent.
-            streams = [
-                smp if j == 0 else self._fork_sample(req, smp, j, tok, rows[k].generator)
-                for k, ((req, smp, j), tok) in enumerate(
-                    zip(targets, result.token_ids, strict=True)
+        self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
+
+        # Per request: fork every new sample before any stop check can finish (and free) its
+        # parent, then emit the tokens.
+        by_request: dict[str, list[int]] = {}
+        for k, (req, _, _, _) in enumerate(plan):
+            by_request.setdefault(req.request_id, []).append(k)
+        for ks in by_request.values():
+            req = plan[ks[0]][0]
+            if req.error is None:
+                self._isolated(
+                    req, self._apply_rows, req, [(plan[k], gens[k], tokens[k]) for k in ks]
                 )
-            ]
-            for k, ((req, _, _), stream) in enumerate(zip(targets, streams, strict=True)):
-                lp = result.logprobs[k] if result.logprobs is not None else None
-                top = result.top_logprobs[k] if result.top_logprobs is not None else None
-                self._emit_token(req, stream, result.token_ids[k], lp, top)
-                touched[req.request_id] = req
         for req, seq, i in beam_rows:
-            if req.request_id in self._requests:
-                self._beam_logits(req, seq, logits[i])
-                touched[req.request_id] = req
+            if req.error is None and req.request_id in self.requests:
+                self._isolated(req, self._beam_logits, req, seq, logits[i])
         return [self._output(req) for req in touched.values()]
 
-    def _fork_generator(self, req: _Request, j: int) -> torch.Generator | None:
+    def _isolated(self, req: Request, fn: Callable[..., _T], *args: object) -> _T | None:
+        """``fn(*args)``, failing only ``req`` (not the batch) if it raises."""
+        if req.error is not None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._fail(req, exc)
+            return None
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        logger.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
+        self.requests.fail(req, f"internal error while generating: {type(exc).__name__}: {exc}")
+
+    def _sample(
+        self, logits: torch.Tensor, plan: list[_Row], gens: list[torch.Generator | None]
+    ) -> list[_Sampled]:
+        """(token, its logprob, top logprobs) per planned row, sampled as one batch. If the batch
+        raises, each request's rows are sampled alone and only the requests that still raise
+        fail (their rows get token 0, never used). A request whose generator advanced in the
+        failed batched attempt draws differently in that one step."""
+        rows = [
+            SampleRow(req.params, gen, smp.seq.output_token_ids)
+            for (req, smp, _, _), gen in zip(plan, gens, strict=True)
+        ]
+        live = [k for k, (req, _, _, _) in enumerate(plan) if req.error is None]
+        results: list[_Sampled] = [(0, None, None)] * len(plan)
+        if not live:
+            return results
+        try:
+            _scatter(
+                results, live, sample(logits[[plan[k][3] for k in live]], [rows[k] for k in live])
+            )
+            return results
+        except Exception:
+            logger.warning("batched sampling raised; sampling each request alone", exc_info=True)
+        groups: dict[str, list[int]] = {}
+        for k in live:
+            groups.setdefault(plan[k][0].request_id, []).append(k)
+        for ks in groups.values():
+            req = plan[ks[0]][0]
+            rows_k = [rows[k] for k in ks]
+            idx = [plan[k][3] for k in ks]
+            result = self._isolated(req, sample, logits[idx], rows_k)
+            if result is not None:
+                _scatter(results, ks, result)
+        return results
+
+    def _apply_rows(
+        self,
+        req: Request,
+        rows: list[tuple[_Row, torch.Generator | None, _Sampled]],
+    ) -> None:
+        streams = [
+            smp
+            if j == 0
+            else self.requests.fork(req, smp, f"{req.request_id}/{j}", j, gen, last_token=tok)
+            for (_, smp, j, _), gen, (tok, _, _) in rows
+        ]
+        for stream, (_, _, (tok, lp, top)) in zip(streams, rows, strict=True):
+            self._emit_token(req, stream, tok, lp, top)
+
+    def _fork_generator(self, req: Request, j: int) -> torch.Generator | None:
         """Sample ``j``'s own RNG: ``seed + j`` when seeded (reproducible whatever the batch),
         else drawn from the engine's RNG. Greedy samples need none."""
         if req.params.greedy or req.beam is not None:
@@ -256,26 +305,13 @@ class LLMEngine:
         seed = req.params.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._rng))
+        # manual_seed takes [-2**63, 2**64 - 1]; SamplingParams keeps seed an int64 and n small.
         return torch.Generator(device=self.device).manual_seed(seed + j)
-
-    def _fork_sample(
-        self, req: _Request, parent: _Sample, j: int, token: int, gen: torch.Generator | None
-    ) -> _Sample:
-        """Sample ``j`` of an n > 1 request: shares the parent's prompt blocks (fork) and starts
-        from its own first token, drawn with its own generator ``gen``."""
-        child = parent.seq.fork(f"{req.request_id}/{j}")
-        child.replace_last_token(token)
-        if parent.seq.is_finished:
-            child.status = parent.seq.status  # max_tokens == 1: done before it ever runs
-            child.finish_reason = parent.seq.finish_reason
-        else:
-            self.scheduler.fork(parent.seq, child)
-        return self._new_sample(req, child, j, generator=gen)
 
     def _emit_token(
         self,
-        req: _Request,
-        smp: _Sample,
+        req: Request,
+        smp: Sample,
         token: int,
         logprob: float | None,
         top: dict[int, float] | None,
@@ -308,22 +344,20 @@ class LLMEngine:
         elif smp.seq.is_finished:
             out.finish_reason = smp.seq.finish_reason
 
-    def _beam_logits(self, req: _Request, seq: Sequence, logits: torch.Tensor) -> None:
+    def _beam_logits(self, req: Request, seq: Sequence, logits: torch.Tensor) -> None:
         state = req.beam
         assert state is not None
         state.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1).cpu()
         if not state.ready:
             return
-        beam_search.advance(self, req, state)
+        beam_search.advance(self.requests, req, state, self.eos_token_id)
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput:
         finished = req.finished
         if finished:
-            self._requests.pop(req.request_id, None)
-            for s in req.samples:
-                self._owner.pop(s.seq.seq_id, None)
+            self.requests.remove(req)
         if req.beam is not None:
-            outputs = beam_search.outputs(self, req.beam) if finished else []
+            outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
         else:
             outputs = [_copy(s.output) for s in sorted(req.samples, key=lambda s: s.output.index)]
         return RequestOutput(
@@ -332,7 +366,23 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=outputs,
             finished=finished,
+            error=req.error,
         )
+
+
+def _not_token(t: object, vocab_size: int) -> bool:
+    return not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+
+
+def _scatter(
+    results: list[_Sampled],
+    where: list[int],
+    result: SampleResult,
+) -> None:
+    for n, k in enumerate(where):
+        lp = result.logprobs[n] if result.logprobs is not None else None
+        top = result.top_logprobs[n] if result.top_logprobs is not None else None
+        results[k] = (result.token_ids[n], lp, top)
 
 
 def _copy(out: CompletionOutput) -> CompletionOutput:

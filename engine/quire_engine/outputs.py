@@ -25,8 +25,13 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """Cumulative output of one request. ``error`` is set when the request failed on its own (an
+    internal error in its sampling, detokenization, stop checks or beam step): it is then
+    finished, its samples end with ``finish_reason`` "abort", and the engine went on."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    error: str | None = None

@@ -6,7 +6,9 @@ everything is token ids and ``SamplingParams``. Requests accept vLLM's sampling 
 openai client's ``extra_body`` works as with vLLM. Unknown fields are ignored (and logged), as
 vLLM does, because clients send fields of newer API versions; fields whose meaning Quire cannot
 honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, non-text content) are rejected instead of
-being dropped.
+being dropped. Types are strict, as OpenAI's are: a string, a float or a bool where an integer
+belongs is a 400, not coerced; ranges are checked by ``SamplingParams`` (the same messages offline
+and over HTTP).
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ class OpenAIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -149,12 +153,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -187,7 +193,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:

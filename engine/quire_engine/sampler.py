@@ -90,7 +90,7 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> list
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     ranks = torch.arange(probs.shape[1], device=logits.device).unsqueeze(0)
     for j, p in enumerate(params):
-        if p.top_k is not None:
+        if p.top_k is not None and p.top_k < probs.shape[1]:  # a larger top_k keeps all
             keep[j] &= ranks[0] < p.top_k
         if p.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).

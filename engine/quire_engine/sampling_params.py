@@ -1,4 +1,14 @@
-"""How to pick each next token; validated at construction (``ValueError`` names field and limit)."""
+"""How to pick each next token; validated at construction (``ValueError`` names field and limit).
+
+Every field is checked at its extremes (0, negative, tiny, huge, beyond int64, NaN/inf, a string
+or a bool where a number belongs), because one request's parameters reach tensor code that would
+otherwise raise in the middle of a batch. Limits follow vLLM where it has them: ``seed`` is an
+int64, ``temperature`` is in [0, 2] and values below ``GREEDY_BELOW`` are greedy while values
+below ``MIN_TEMPERATURE`` are raised to it (dividing logits by a tiny temperature overflows to
+inf/NaN), ``top_k`` is capped at the vocabulary by the sampler. Limits that depend on the engine
+(``n`` against ``max_num_seqs``, stop token ids against the vocabulary) are checked by
+``LLMEngine.add_request``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,13 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N = 1024  # parallel samples per request (the engine also caps n at max_num_seqs)
+MAX_STOPS = 32  # stop strings, and separately stop token ids, per request
+MAX_STOP_CHARS = 256  # per stop string: each is searched in the tail of every new text
+MAX_TEMPERATURE = 2.0
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,41 +53,73 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers and keep the frozen value hashable.
         stop = self.stop
-        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if _not_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be >= 1; got {self.n}")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-        if self.top_k is not None and (_not_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be None or >= 1; got {self.top_k}")
-        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1]; got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _finite(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2]; got {value}")
-        if _not_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
-        if self.logprobs is not None and (
-            _not_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.seed is not None and _not_int(self.seed):
-            raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, tuple | list):
+            raise ValueError(f"stop must be a string or a list of strings; got {stop!r:.80}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple | list):
+            raise ValueError(f"stop_token_ids must be a list of integers; got {ids!r:.80}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if GREEDY_BELOW <= self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, 1, INT64_MAX, none="None (no limit)")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        if len(self.stop) > MAX_STOPS:
+            raise ValueError(f"stop must have at most {MAX_STOPS} strings; got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} "
+                    f"characters; got {s!r:.80}"
+                )
+        if len(self.stop_token_ids) > MAX_STOPS:
+            raise ValueError(
+                f"stop_token_ids must have at most {MAX_STOPS} ids; got {len(self.stop_token_ids)}"
+            )
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, INT64_MAX)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r:.80}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
-def _not_int(value: object) -> bool:
-    return not isinstance(value, int) or isinstance(value, bool)
+def _check_int(name: str, value: object, low: int, high: int | None, *, none: str = "") -> None:
+    """``low <= value <= high`` for a true int (not a bool, float or string)."""
+    span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    if none:
+        span += f" or {none}"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer {span}; got {value!r:.80}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {span}; got {value}")
 
 
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+def _check_float(
+    name: str, value: object, low: float, high: float, *, open_low: bool = False
+) -> None:
+    """A finite real number (ints allowed, bools not) in [low, high] or (low, high]."""
+    span = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise ValueError(f"{name} must be a finite number in {span}; got {value!r:.80}")
+    if value > high or value < low or (open_low and value == low):
+        raise ValueError(f"{name} must be in {span}; got {value}")

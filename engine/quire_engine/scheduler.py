@@ -113,6 +113,8 @@ class Scheduler:
         if child.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {child.seq_id!r}")
         self.seqs[child.seq_id] = child
+        if parent.reserved_seqs > 1:  # the child takes a slot its parent reserved for it
+            parent.reserved_seqs -= 1
         if parent.status is SequenceStatus.RUNNING:
             self.kv.fork(parent, child)
             child.status = SequenceStatus.RUNNING
@@ -218,7 +220,8 @@ class Scheduler:
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         kv = self.kv
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        slots = self._free_slots() if self.swapped else 0
+        while self.swapped and budget > 0 and self.swapped[0].reserved_seqs <= slots:
             seq = self.swapped[0]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             growth = kv.num_blocks_for(seq.num_computed_tokens + n) - len(
@@ -234,11 +237,13 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_arrival)
             self._emit(out, seq, n)
             budget -= n
+            slots -= seq.reserved_seqs
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        slots = self._free_slots() if self.waiting else 0
+        while self.waiting and budget > 0 and self.waiting[0].reserved_seqs <= slots:
             seq = self.waiting[0]
             hits = kv.computed_blocks(seq)
             num_hit = len(hits) * kv.block_size
@@ -251,6 +256,11 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_arrival)
             self._emit(out, seq, n)
             budget -= n
+            slots -= seq.reserved_seqs
+
+    def _free_slots(self) -> int:
+        """max_num_seqs minus the slots running sequences hold (forks yet to come included)."""
+        return self.config.max_num_seqs - sum(s.reserved_seqs for s in self.running)
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
         """Apply a finished step: advance progress and append sampled tokens.

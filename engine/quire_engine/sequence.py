@@ -43,6 +43,9 @@ class Sequence:
     # Tie-breaker for "newest": forks inherit their parent's arrival and get a later sub-order.
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     finish_reason: str | None = None
+    # Slots of max_num_seqs this sequence claims: itself plus the samples still to be forked from
+    # it (n > 1, beams). Each fork moves one slot to the child (``Scheduler.fork``).
+    reserved_seqs: int = 1
     # token_ids is prompt + output, kept as one list so decode steps never concatenate.
     token_ids: list[int] = field(init=False)
 
@@ -51,6 +54,8 @@ class Sequence:
             raise ValueError("prompt must contain at least one token")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
+        if self.reserved_seqs < 1:
+            raise ValueError(f"reserved_seqs must be >= 1; got {self.reserved_seqs}")
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     @property

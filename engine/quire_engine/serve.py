@@ -6,22 +6,37 @@ command line wins over the variable. With no flag at all it serves the embedded 
 127.0.0.1:8000 (on CPU when there is no GPU).
 
 The process serves while the model loads (``/health`` 200, ``/ready`` 503), so an orchestrator can
-tell "loading" from "dead". If loading fails or the engine loop dies, the server shuts down and
-the command exits 1.
+tell "loading" from "dead". If loading fails, the engine loop dies or a step makes no progress for
+``--step-timeout`` seconds, every pending request is answered, the server shuts down and the
+command exits 1. SIGTERM (or Ctrl-C) drains (see ``drain``): ``/ready`` 503 at once, new requests
+503, requests in flight get ``--shutdown-timeout`` seconds, then exit 0; a second signal stops at
+once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import re
+import signal
+import socket
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
+import uvicorn
+
 from quire_engine.config import EngineConfig, PreemptionMode
-from quire_engine.server import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from quire_engine.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
+from quire_engine.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_STEP_TIMEOUT_S,
+    ServerSettings,
+)
 
 ENV_PREFIX = "QUIRE_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -127,9 +142,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--api-key", "require 'Authorization: Bearer <key>' on /v1", default=None)
     flag(
         "--max-waiting",
-        "answer 503 when this many requests already wait (default: unbounded)",
+        "answer 503 when this many requests already wait",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_WAITING,
+    )
+    flag(
+        "--shutdown-timeout",
+        "on SIGTERM, seconds requests in flight get to finish before they are ended",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    )
+    flag(
+        "--step-timeout",
+        "seconds without engine progress, while work is pending, after which /health turns 503 "
+        "and the server exits 1 (0: never)",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
     )
     flag(
         "--max-request-bytes",
@@ -148,10 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """``ValueError`` (naming the field) for values the engine would refuse."""
-    if args.max_waiting is not None and args.max_waiting < 1:
-        raise ValueError(f"max_waiting must be >= 1; got {args.max_waiting}")
-    if args.max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1; got {args.max_request_bytes}")
+    if args.step_timeout < 0:
+        raise ValueError(f"step_timeout must be >= 0 seconds (0: never); got {args.step_timeout}")
     engine = EngineConfig(
         model=args.model,
         block_size=args.block_size,
@@ -175,6 +201,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         api_key=args.api_key or None,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_request_bytes,
+        step_timeout=args.step_timeout or None,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -209,8 +237,6 @@ def configure_logging(log_format: str, level: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import uvicorn
-
     from quire_engine import model_loader
     from quire_engine.server import create_app
 
@@ -219,12 +245,12 @@ def run(args: argparse.Namespace) -> int:
     model_loader.resolve_dtype(args.dtype, model_loader.resolve_device(args.device))
     configure_logging(args.log_format, args.log_level)
     died: list[bool] = []
-    server: uvicorn.Server | None = None
+    server: _DrainingServer | None = None
 
     def on_engine_death() -> None:
         died.append(True)
         if server is not None:
-            server.should_exit = True  # uvicorn polls it; safe to set from the engine thread
+            server.should_exit = True  # uvicorn polls it; safe to set from any thread
 
     app = create_app(dataclasses.replace(settings, on_engine_death=on_engine_death))
     config = uvicorn.Config(
@@ -233,11 +259,48 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_config=None,
         log_level=args.log_level,
+        # After the drain every stream has ended; this only bounds writing their last bytes.
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, app.state.drain)
     server.run()
     if died:
         logger.error("the engine died; exiting")
         return 1
     return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains before shutting down (the listener
+    stays open meanwhile, answering 503), and the signal is not re-raised at the end: a drained
+    shutdown exits 0. A second signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a signal handler on the event loop's thread, between two bytecodes.
+        if self._draining or self._loop is None or self.should_exit:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        self._draining = True
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        task = asyncio.ensure_future(self._drain.run())
+        task.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Future[int]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("the drain failed", exc_info=task.exception())
+        self.should_exit = True

@@ -7,30 +7,39 @@ aborts it in a ``finally`` block, and a watcher task aborts it as soon as the cl
 (streaming or not, queued or running), so a gone client frees its blocks within one engine step.
 
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: validation
-400 (FastAPI's 422 is overridden), bad or missing API key 401 (``/health``, ``/ready`` and
-``/metrics`` stay open), unknown model 404, prompt longer than the context 400
-``context_length_exceeded``, over ``max_waiting`` or not ready 503 with ``Retry-After``, request
-bodies over ``max_body_bytes`` 413.
+400 (FastAPI's 422 is overridden), bad or missing API key 401 (checked before the body is read;
+``/health``, ``/ready`` and ``/metrics`` stay open, ``/docs`` and ``/openapi.json`` do not), unknown
+model 404, prompt longer than the context 400 ``context_length_exceeded``, over ``max_waiting``,
+not ready, shutting down or engine dead 503 with ``Retry-After``, request bodies over
+``max_body_bytes`` 413, a request that failed inside the engine 500 (a stream gets an error event
+instead, after the failed choice's final chunk with ``finish_reason`` "abort"), and any other
+unhandled exception 500 ``internal_error``.
+
+Tokenization and chat templates run on one worker thread (``_Encoder``), so a large body never
+blocks the event loop. ``/health`` is 503 once the engine loop died or has made no progress for
+``step_timeout`` seconds with work pending (the liveness probe then restarts the pod).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import copy
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quire_engine.async_engine import (
     AsyncEngine,
@@ -39,8 +48,10 @@ from quire_engine.async_engine import (
     RequestHandle,
 )
 from quire_engine.config import EngineConfig
+from quire_engine.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
 from quire_engine.engine import LLMEngine
 from quire_engine.metrics import ServerMetrics
+from quire_engine.middleware import ApiKeyGuard, BodyLimit
 from quire_engine.outputs import RequestOutput
 from quire_engine.protocol import (
     ChatCompletionRequest,
@@ -59,18 +70,41 @@ from quire_engine.rendering import (
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.tiny_model import CHAT_TEMPLATE
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+# Fields the engine validates against itself (max_num_seqs, the vocabulary).
+_ENGINE_CHECKED = frozenset({"n", "stop_token_ids"})
+DEFAULT_MAX_WAITING = 512
+DEFAULT_STEP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
+    """``max_waiting``: 503 beyond this many queued requests (None: unbounded).
+    ``step_timeout``: seconds without engine progress, while work is pending, after which the
+    engine counts as hung (None: never). ``shutdown_timeout``: seconds a drain waits for
+    requests in flight (see ``drain``)."""
+
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_names: tuple[str, ...] = ("tiny",)  # the first one names responses and metrics
     api_key: str | None = None
-    max_waiting: int | None = None
+    max_waiting: int | None = DEFAULT_MAX_WAITING
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
     on_engine_death: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1; got {self.max_waiting}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1; got {self.max_body_bytes}")
+        if self.step_timeout is not None and not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds; got {self.step_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds; got {self.shutdown_timeout}")
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -79,6 +113,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         settings.engine,
         metrics,
         max_waiting=settings.max_waiting,
+        step_timeout=settings.step_timeout,
         engine_factory=settings.engine_factory,
         on_death=settings.on_engine_death,
     )
@@ -89,17 +124,24 @@ def create_app(settings: ServerSettings) -> FastAPI:
         engine.start()
         yield
         await engine.stop()
+        api.close()
 
     app = FastAPI(title="Quire", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    app.state.drain = Drain(engine, settings.shutdown_timeout)
+    # Added last = outermost: the key is checked before the body limit, before anything is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal_error)
 
     @app.get("/health")
     async def health() -> Response:
+        engine.check_progress()
         if not engine.alive:
             raise OpenAIError(503, "the engine loop is not running", type="server_error")
         return Response(status_code=200)
@@ -115,7 +157,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api.authorize)])
+    v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/models", api.models, methods=["GET"])
     v1.add_api_route("/completions", api.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"])
@@ -130,20 +172,16 @@ class _Api:
         self.settings = settings
         self.engine = engine
         self.created = int(time.time())
-        self._api_key = settings.api_key.encode() if settings.api_key else None
+        self._encoder: _Encoder | None = None
 
-    async def authorize(self, request: Request) -> None:
-        if self._api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of a guessed key was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._api_key):
-            raise OpenAIError(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    def close(self) -> None:
+        if self._encoder is not None:
+            self._encoder.close()
+
+    def encoder(self, info: ModelInfo) -> _Encoder:
+        if self._encoder is None:
+            self._encoder = _Encoder(info.tokenizer)
+        return self._encoder
 
     async def models(self) -> Json:
         info = self.engine.info
@@ -164,7 +202,8 @@ class _Api:
         arrival = time.monotonic()
         texts = body.prompts()
         info = self._admit(body, len(texts))
-        prompts = [_encode(info, text) for text in texts]
+        encoder = self.encoder(info)
+        prompts = [await encoder.prompt(text) for text in texts]
         params = [
             body.sampling_params(
                 _max_tokens(info, len(p), body.max_tokens, "prompt"), body.logprobs
@@ -179,20 +218,7 @@ class _Api:
         conversation = body.conversation()
         num_logprobs = body.num_logprobs
         info = self._admit(body, 1)
-        tokenizer = info.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=None if tokenizer.chat_template else CHAT_TEMPLATE,
-                add_generation_prompt=body.add_generation_prompt,
-                tokenize=False,
-            )
-        except Exception as exc:  # jinja raises for conversations the template refuses
-            raise OpenAIError(
-                400, f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
-        # The template already placed any special tokens the model expects.
-        prompt = list(tokenizer(text, add_special_tokens=False).input_ids)
+        prompt = await self.encoder(info).chat(conversation, body.add_generation_prompt)
         max_tokens = _max_tokens(info, len(prompt), body.requested_max_tokens, "messages")
         params = [body.sampling_params(max_tokens, num_logprobs)]
         renderer = ChatRenderer(info.tokenizer, num_logprobs or 0)
@@ -205,6 +231,13 @@ class _Api:
                 f"The model `{body.model}` does not exist.",
                 param="model",
                 code="model_not_found",
+            )
+        limit = self.engine.max_waiting
+        if limit is not None and num_prompts > limit:
+            raise OpenAIError(
+                400,
+                f"at most {limit} prompts per request (max_waiting); got {num_prompts}",
+                param="prompt",
             )
         try:
             return self.engine.check_admission(num_prompts)
@@ -224,8 +257,10 @@ class _Api:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             handle = await self.engine.submit(request_id, prompts, params, arrival=arrival)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="prompt") from exc
+        except ValueError as exc:  # the engine's checks name the field first
+            field = re.match(r"[a-z_]+", str(exc))
+            param = field.group() if field and field.group() in _ENGINE_CHECKED else "prompt"
+            raise OpenAIError(400, str(exc), param=param) from exc
         except EngineUnavailable as exc:
             raise _unavailable(exc) from exc
         head = {"id": request_id, "created": int(time.time())}
@@ -269,10 +304,14 @@ async def _respond(job: _Job) -> Response:
     try:
         async for index, out in job.handle.outputs():
             finals[index] = out
+            if job.handle.error is not None:
+                break  # close() aborts the other prompts
     except EngineUnavailable as exc:
         raise _unavailable(exc) from exc
     finally:
         job.close()
+    if job.handle.error is not None:
+        raise _failed(job.handle.error)
     if job.handle.aborted:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = [
@@ -295,13 +334,20 @@ async def _sse(job: _Job, include_usage: bool, holdback: int) -> AsyncIterator[s
         async for choice, tokens in stream_choices(job.handle, job.renderer, job.n, holdback):
             completion_tokens += tokens
             yield _event({**head, "choices": [choice], **extra})
-        if job.handle.aborted:
+            if job.handle.error is not None:
+                break  # close() aborts the other prompts
+        if job.handle.error is not None:
+            yield _event(_failed(job.handle.error).body())
+        elif job.handle.aborted:
             return
-        if include_usage:
+        elif include_usage:
             totals = usage(job.num_prompt_tokens, completion_tokens)
             yield _event({**head, "choices": [], "usage": totals})
     except EngineUnavailable as exc:
         yield _event(_unavailable(exc).body())
+    except Exception as exc:  # the response has started: report in the stream, not as a 500
+        logger.exception("streaming %s failed", job.head["id"])
+        yield _event(_internal(exc).body())
     finally:
         job.close()
     yield "data: [DONE]\n\n"
@@ -319,12 +365,53 @@ def _event(payload: Json) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _encode(info: ModelInfo, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
+class _Encoder:
+    """Prompts to token ids on one worker thread, with a tokenizer of its own: tokenizing or
+    templating a large body takes long enough to stall every stream if done on the event loop,
+    and the event loop's tokenizer (rendering) is then never used by two threads at once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quire-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def prompt(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt  # token ids: the engine checks their range
         if not prompt:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        return list(info.tokenizer(prompt).input_ids)
-    return prompt  # token ids: the engine checks their range
+        ids: list[int] = await self._run(self._encode, prompt, True)
+        return ids
+
+    async def chat(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool
+    ) -> list[int]:
+        ids: list[int] = await self._run(self._chat, conversation, add_generation_prompt)
+        return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def _chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        tokenizer = self._tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=None if tokenizer.chat_template else CHAT_TEMPLATE,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except Exception as exc:  # jinja raises for conversations the template refuses
+            raise OpenAIError(
+                400, f"cannot apply the chat template: {exc}", param="messages"
+            ) from exc
+        # The template already placed any special tokens the model expects.
+        return self._encode(text, False)
 
 
 def _max_tokens(info: ModelInfo, num_prompt: int, requested: int | None, param: str) -> int:
@@ -350,6 +437,20 @@ def _max_tokens(info: ModelInfo, num_prompt: int, requested: int | None, param: 
             code="context_length_exceeded",
         )
     return requested
+
+
+def _failed(message: str) -> OpenAIError:
+    """A request that failed inside the engine (the engine itself went on)."""
+    return OpenAIError(500, message, type="server_error", code="request_failed")
+
+
+def _internal(exc: Exception) -> OpenAIError:
+    return OpenAIError(
+        500,
+        f"internal server error: {type(exc).__name__}",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def _unavailable(exc: EngineUnavailable) -> OpenAIError:
@@ -391,34 +492,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return await _openai_error(request, error)
 
 
-class _BodyLimit:
-    """413 for a body over ``max_bytes``: at once from Content-Length, or while a chunked body is
-    read (raised as an HTTPException, which FastAPI passes through to the handlers above)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = f"request body larger than {self.max_bytes} bytes"
-        declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            error = OpenAIError(413, too_large, code="request_too_large")
-            response = JSONResponse(error.body(), status_code=413)
-            await response(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise StarletteHTTPException(413, too_large)
-            return message
-
-        await self.app(scope, limited, send)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette's ServerErrorMiddleware calls this for any exception nothing else handled (and
+    # re-raises it afterwards, so it is logged with its traceback).
+    return await _openai_error(request, _internal(exc))

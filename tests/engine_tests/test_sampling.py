@@ -173,21 +173,67 @@ def test_top_k_one_is_greedy(llm: LLM) -> None:
     assert greedy[0].outputs[0].token_ids == topk[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"max_tokens": 0}, "max_tokens must be >= 1; got 0"),
-        ({"temperature": -0.5}, "temperature must be >= 0; got -0.5"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]; got 0.0"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]; got 1.5"),
-        ({"n": 0}, "n must be >= 1; got 0"),
-        ({"top_k": 0}, "top_k must be None or >= 1; got 0"),
-        ({"min_p": 2.0}, r"min_p must be in \[0, 1\]; got 2.0"),
-        ({"logprobs": 21}, r"logprobs must be in \[0, 20\]; got 21"),
-        ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2, 2\]; got 3.0"),
-        ({"stop": [""]}, "stop strings must be non-empty"),
-    ],
-)
-def test_bad_sampling_params(kwargs: dict[str, object], message: str) -> None:
+BEYOND_INT64 = 2**64  # the seed of issue 10 that used to kill the server
+NOT_NUMBERS: list[object] = [float("nan"), float("inf"), float("-inf"), "1", True, None, [1]]
+
+
+def _bad_values() -> list[tuple[str, object, str]]:
+    """(field, value, message regex) for every numeric field at its extremes."""
+    cases: list[tuple[str, object, str]] = []
+    floats = {
+        "temperature": (r"\[0, 2\]", [-1e-300, -0.5, 2.0000001, 1e308, BEYOND_INT64]),
+        "top_p": (r"\(0, 1\]", [0, 0.0, -1.0, 1.5, 1e308]),
+        "min_p": (r"\[0, 1\]", [-1e-9, 1.0000001, 2.0, BEYOND_INT64]),
+        "presence_penalty": (r"\[-2, 2\]", [-2.5, 3.0, -(2**70), 1e308]),
+        "frequency_penalty": (r"\[-2, 2\]", [-2.0001, 2.0001, 10**30]),
+    }
+    for name, (span, values) in floats.items():
+        cases += [(name, v, f"{name} must be in {span}") for v in values]
+        cases += [(name, v, f"{name} must be a finite number") for v in NOT_NUMBERS]
+    ints = {
+        "n": (r"in \[1, 1024\]", [0, -1, 1025, BEYOND_INT64]),
+        "top_k": (r"in \[1, 9223372036854775807\] or None", [0, -1, 2**63, BEYOND_INT64]),
+        "max_tokens": (">= 1", [0, -1, -(2**70)]),
+        "logprobs": (r"in \[0, 20\]", [-1, 21, BEYOND_INT64]),
+        "seed": (r"in \[-9223372036854775808, 9223372036854775807\]", [BEYOND_INT64, 2**63]),
+    }
+    for name, (span, values) in ints.items():
+        cases += [(name, v, f"{name} must be {span}") for v in values]
+        cases += [
+            (name, v, f"{name} must be an integer")
+            for v in [1.0, 0.5, float("nan"), float("inf"), "3", True, [1]]
+        ]
+    cases += [
+        ("seed", -(2**63) - 1, "seed must be in"),
+        ("stop", [""], "stop strings must be non-empty"),
+        ("stop", ["x" * 257], "at most 256 characters"),
+        ("stop", [f"s{i}" for i in range(33)], "stop must have at most 32 strings"),
+        ("stop", [5], "stop strings must be non-empty strings"),
+        ("stop", 5, "stop must be a string or a list of strings"),
+        ("stop_token_ids", list(range(33)), "stop_token_ids must have at most 32 ids"),
+        ("stop_token_ids", [-1], r"stop_token_ids must be in \[0, "),
+        ("stop_token_ids", [BEYOND_INT64], r"stop_token_ids must be in \[0, "),
+        ("stop_token_ids", ["1"], "stop_token_ids must be an integer"),
+        ("stop_token_ids", 7, "stop_token_ids must be a list of integers"),
+        ("ignore_eos", 1, "ignore_eos must be true or false"),
+        ("include_stop_str_in_output", "yes", "include_stop_str_in_output must be true or false"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize(("name", "value", "message"), _bad_values())
+def test_bad_sampling_params_name_the_field(name: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SP(**kwargs)  # type: ignore[arg-type]
+        SP(**{name: value})  # type: ignore[arg-type]
+
+
+def test_extreme_but_valid_values() -> None:
+    assert SP(temperature=1e-300).greedy and SP(temperature=0).greedy
+    assert SP(temperature=1e-3).temperature == 0.01  # vLLM's floor against inf/NaN logits
+    assert not SP(temperature=1e-3).greedy
+    assert SP(temperature=2).temperature == 2
+    assert SP(seed=2**63 - 1).seed == 2**63 - 1 and SP(seed=-(2**63)).seed == -(2**63)
+    assert SP(top_k=2**63 - 1).top_k == 2**63 - 1  # capped at the vocabulary when sampling
+    assert SP(max_tokens=2**70).max_tokens == 2**70  # capped by max_model_len when scheduling
+    assert SP(top_p=1e-300).top_p == 1e-300
+    assert SP(stop="end").stop == ("end",)

@@ -1,0 +1,177 @@
+"""The request table: every live request and its sample streams, by request id and by sequence id.
+
+Ownership: the table is the one owner of request and sample bookkeeping. The engine's step loop,
+beam search and aborts all go through its methods; nothing else keeps a request or a sample
+index. The table drives the scheduler for every change of membership (``add``, ``fork``,
+``retire``, ``abort``, ``fail``), so "in the table" and "known to the scheduler" never disagree:
+
+* ``add`` is transactional: the scheduler validates and queues the first sequence, and only then
+  is the request inserted; a ``ValueError`` leaves both exactly as before.
+* ``retire`` ends one sample (a pruned beam) and returns its blocks.
+* ``abort`` ends a request in any state, returns every block and removes it.
+* ``fail`` ends a request whose own processing raised (sampling, detokenizing, stop checks, a beam
+  step): its blocks are returned and its outputs finish with reason "abort" plus an error message;
+  it stays in the table until ``remove`` so that the engine can still report it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from quire_engine.detokenizer import Detokenizer
+from quire_engine.outputs import CompletionOutput
+from quire_engine.sampling_params import SamplingParams
+from quire_engine.scheduler import Scheduler
+from quire_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from quire_engine.beam_search import BeamState
+
+
+@dataclass(slots=True)
+class Sample:
+    """One output stream of a request: its sequence, RNG, detokenizer and output so far."""
+
+    seq: Sequence
+    generator: torch.Generator | None
+    detok: Detokenizer
+    output: CompletionOutput
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Sample] = field(default_factory=list)
+    beam: BeamState | None = None
+    error: str | None = None  # set by RequestTable.fail
+
+    @property
+    def finished(self) -> bool:
+        if self.error is not None:
+            return True
+        if self.beam is not None:
+            return self.beam.done
+        return len(self.samples) == self.params.n and all(s.output.finished for s in self.samples)
+
+
+class RequestTable:
+    """Live requests (insertion order) and the owner of every live sequence."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Any) -> None:
+        self.scheduler = scheduler
+        self._tokenizer = tokenizer
+        self._requests: dict[str, Request] = {}
+        self._owner: dict[str, tuple[Request, Sample]] = {}
+
+    # ---- lookups -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests.values()))
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def owner(self, seq_id: str) -> tuple[Request, Sample]:
+        """The request and sample of a live sequence (``KeyError`` for an unknown id)."""
+        return self._owner[seq_id]
+
+    def ids(self) -> list[str]:
+        return list(self._requests)
+
+    # ---- membership ----------------------------------------------------------------------
+    def add(self, request: Request, first: Sample) -> None:
+        """Queue ``request`` with its first sample; ``ValueError`` and no change if it cannot be
+        taken (duplicate id, or the scheduler refuses the sequence)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.samples:
+            raise ValueError("a new request has no samples yet")
+        self.scheduler.add(first.seq)  # validates length and pool fit; raises before mutating
+        self._requests[request.request_id] = request
+        self._register(request, first)
+
+    def new_sample(
+        self, request: Request, seq: Sequence, index: int, generator: torch.Generator | None
+    ) -> Sample:
+        """A sample object for ``seq`` (not registered); its output starts empty."""
+        want_lp = request.params.logprobs is not None
+        out = CompletionOutput(
+            index=index,
+            cumulative_logprob=0.0 if want_lp or request.beam is not None else None,
+            logprobs=[] if want_lp else None,
+        )
+        return Sample(seq, generator, Detokenizer(self._tokenizer, request.prompt_token_ids), out)
+
+    def fork(
+        self,
+        request: Request,
+        parent: Sample,
+        seq_id: str,
+        index: int,
+        generator: torch.Generator | None,
+        last_token: int | None = None,
+    ) -> Sample:
+        """A new sample sharing ``parent``'s history (and, if it runs, its blocks). With
+        ``last_token`` the child takes that token instead of the parent's last sampled one. A
+        parent that already finished (max_tokens reached) yields a child finished alike."""
+        child = parent.seq.fork(seq_id)
+        if last_token is not None:
+            child.replace_last_token(last_token)
+        if parent.seq.is_finished:
+            child.status = parent.seq.status
+            child.finish_reason = parent.seq.finish_reason
+        else:
+            self.scheduler.fork(parent.seq, child)
+        sample = self.new_sample(request, child, index, generator)
+        self._register(request, sample)
+        return sample
+
+    def retire(self, request: Request, sample: Sample) -> None:
+        """End one sample of a live request (a pruned beam): blocks back, sample dropped."""
+        self._owner.pop(sample.seq.seq_id, None)
+        self.scheduler.finish(sample.seq, "abort")
+        request.samples.remove(sample)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request in any state and remove it; unknown ids are ignored."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._end(request)
+        self.remove(request)
+        return request
+
+    def fail(self, request: Request, error: str) -> None:
+        """End ``request`` because its own processing raised; it stays listed (finished, with
+        ``error``) until ``remove``. Idempotent: the first error is kept."""
+        if request.error is None:
+            request.error = error
+        self._end(request)
+
+    def remove(self, request: Request) -> None:
+        """Forget a finished request and its samples (their sequences are already finished)."""
+        self._requests.pop(request.request_id, None)
+        for s in request.samples:
+            self._owner.pop(s.seq.seq_id, None)
+
+    def _register(self, request: Request, sample: Sample) -> None:
+        request.samples.append(sample)
+        self._owner[sample.seq.seq_id] = (request, sample)
+
+    def _end(self, request: Request) -> None:
+        for s in request.samples:
+            self.scheduler.finish(s.seq, "abort")  # idempotent; returns the blocks
+            if s.output.finish_reason is None:
+                s.output.finish_reason = "abort"
