@@ -7,10 +7,11 @@ handed to uvicorn, so there is no race for a free port.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quire_engine.async_engine import AsyncEngine
 from quire_engine.config import EngineConfig
+from quire_engine.engine import LLMEngine
 from quire_engine.server import ServerSettings, create_app
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -82,6 +84,32 @@ class RunningServer:
 
         self.wait_until(idle, "idle")
         return self.metrics()
+
+
+def sse_payloads(lines: Iterable[str]) -> list[Any]:
+    """The JSON payloads of an SSE stream, in order, with the final ``[DONE]`` as the string."""
+    payloads: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            payloads.append(data if data == "[DONE]" else json.loads(data))
+    return payloads
+
+
+class EngineHolder:
+    """An ``engine_factory`` that keeps the engine it built, so a test can reach its runner."""
+
+    def __init__(self) -> None:
+        self.engines: list[LLMEngine] = []
+
+    def __call__(self, config: EngineConfig) -> LLMEngine:
+        engine = LLMEngine(config)
+        self.engines.append(engine)
+        return engine
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.engines[-1]
 
 
 def tiny_settings(engine: dict[str, Any] | None = None, **server: Any) -> ServerSettings:

@@ -66,6 +66,65 @@ def test_invalid_requests_are_400(
     assert error["param"] == param
 
 
+def test_the_request_that_killed_the_server_is_a_400(server: RunningServer) -> None:
+    # Issue 10: a seed beyond int64 was half-added, and the next engine step died.
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "seed": 18446744073709551616}
+    error = error_of(httpx2.post(f"{server.base_url}/completions", json=body), 400)
+    assert error["param"] == "seed" and "9223372036854775807" in str(error["message"])
+    still_serving(server)
+
+
+BEYOND_INT64 = 2**64
+NUMERIC_EXTREMES: dict[str, list[object]] = {
+    "temperature": [-1e-9, 2.5, 1e308, BEYOND_INT64, "0.5", True, [1]],
+    "top_p": [0, -0.1, 1.01, "1"],
+    "top_k": [-2, 2**63, BEYOND_INT64, 1.5, "5"],
+    "min_p": [-0.5, 1.5, "0"],
+    "presence_penalty": [-2.01, 2**70, "1"],
+    "frequency_penalty": [2.01, -(2**70), False],
+    "n": [0, -1, 1025, 65, BEYOND_INT64, 1.0, "2"],  # 65 > max_num_seqs=64
+    "seed": [2**63, -(2**63) - 1, BEYOND_INT64, 1.5, "7"],
+    "max_tokens": [0, -1, -(2**70), BEYOND_INT64, 2.0, "8"],
+    "logprobs": [-1, 21, BEYOND_INT64, "1"],
+    "stop": [[""], ["x"] * 33, ["y" * 257], 5],
+    "stop_token_ids": [[-1], [320], [BEYOND_INT64], list(range(33)), ["1"]],
+    "best_of": [2, -1],
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [(f, v) for f, values in NUMERIC_EXTREMES.items() for v in values]
+)
+def test_every_numeric_field_at_its_extremes_is_a_400(
+    server: RunningServer, field: str, value: object
+) -> None:
+    body = {"prompt": "abc", "max_tokens": 2, field: value}
+    beyond_context = field == "max_tokens" and value == BEYOND_INT64
+    code = "context_length_exceeded" if beyond_context else None
+    error = error_of(httpx2.post(f"{server.base_url}/completions", json=body), 400)
+    assert error["param"] == field and error["code"] == code, error
+
+
+def test_nan_and_infinity_are_400(server: RunningServer) -> None:
+    # Python's json (and so FastAPI) reads these non-standard literals as floats.
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        for field in ("temperature", "top_p", "presence_penalty"):
+            content = f'{{"prompt": "abc", "max_tokens": 2, "{field}": {literal}}}'
+            response = httpx2.post(
+                f"{server.base_url}/completions",
+                content=content.encode(),
+                headers={"content-type": "application/json"},
+            )
+            assert error_of(response, 400)["param"] == field
+    chat = {"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}
+    response = httpx2.post(f"{server.base_url}/chat/completions", json=chat)
+    assert error_of(response, 400)["param"] == "logprobs"
+    chat = {"messages": MESSAGES, "max_completion_tokens": 0}
+    response = httpx2.post(f"{server.base_url}/chat/completions", json=chat)
+    assert error_of(response, 400)["param"] == "max_tokens"
+    still_serving(server)
+
+
 def test_malformed_json_is_400_and_the_server_keeps_serving(server: RunningServer) -> None:
     response = httpx2.post(
         f"{server.base_url}/completions",
@@ -124,7 +183,29 @@ def test_api_key_guards_v1_only(guarded: RunningServer) -> None:
     assert guarded.client(api_key="s3cret").models.list().data[0].id == "tiny"
     for open_path in ("/health", "/ready", "/metrics"):
         assert httpx2.get(f"{guarded.url}{open_path}").status_code == 200
+    for docs in ("/docs", "/openapi.json"):  # the schema follows the key too
+        assert error_of(httpx2.get(f"{guarded.url}{docs}"), 401)["code"] == "invalid_api_key"
+        ok = httpx2.get(f"{guarded.url}{docs}", headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
     still_serving(guarded, authorization="Bearer s3cret")
+
+
+def test_the_key_is_checked_before_the_body_is_read(guarded: RunningServer) -> None:
+    url = f"{guarded.base_url}/completions"
+    malformed = httpx2.post(
+        url, content=b'{"prompt": ', headers={"content-type": "application/json"}
+    )
+    assert error_of(malformed, 401)["code"] == "invalid_api_key"  # not a 400: nothing was parsed
+    big = httpx2.post(url, json={"prompt": "a" * 5000})
+    assert error_of(big, 401)["code"] == "invalid_api_key"  # not a 413
+
+    def never_ending() -> Iterator[bytes]:  # a body that would hang a server that reads it
+        yield b'{"prompt": "'
+        threading.Event().wait(timeout=30)
+        yield b'"}'
+
+    started = httpx2.post(url, content=never_ending(), headers={"content-type": "application/json"})
+    assert error_of(started, 401)["code"] == "invalid_api_key"
 
 
 def test_body_over_the_limit_is_413(guarded: RunningServer) -> None:
