@@ -322,6 +322,11 @@ class AsyncEngine:
         return RequestHandle(self, ids, sink)
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this engine serves (set by ``start``), for callers on other threads."""
+        return self._loop
+
+    @property
     def num_in_flight(self) -> int:
         """Engine requests submitted and not yet finished, aborted or failed (event loop)."""
         return len(self._routes)

@@ -7,13 +7,18 @@ handed to uvicorn, so there is no race for a free port.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -23,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quire_engine.async_engine import AsyncEngine
 from quire_engine.config import EngineConfig
+from quire_engine.drain import Drain
 from quire_engine.engine import LLMEngine
 from quire_engine.server import ServerSettings, create_app
 
@@ -33,6 +39,13 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 class RunningServer:
     url: str
     engine: AsyncEngine
+    drain_: Drain
+
+    def drain(self, timeout: float = 120.0) -> int:
+        """Run the SIGTERM drain on the server's event loop; how many requests it ended."""
+        loop = self.engine.loop
+        assert loop is not None
+        return asyncio.run_coroutine_threadsafe(self.drain_.run(), loop).result(timeout)
 
     @property
     def base_url(self) -> str:
@@ -130,7 +143,7 @@ def serve(settings: ServerSettings, *, wait_ready: bool = True) -> Iterator[Runn
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    running = RunningServer(f"http://127.0.0.1:{port}", app.state.engine)
+    running = RunningServer(f"http://127.0.0.1:{port}", app.state.engine, app.state.drain)
     try:
         running.wait_until(lambda: server.started or not thread.is_alive(), "uvicorn started")
         if not server.started:
@@ -142,3 +155,64 @@ def serve(settings: ServerSettings, *, wait_ready: bool = True) -> Iterator[Runn
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine"
+
+
+@dataclass
+class EngineProcess:
+    """``quire-engine serve`` in a child process (real signals, real exit codes)."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, self.log()
+            try:
+                if httpx2.get(f"{self.url}/ready").status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            assert time.monotonic() < deadline, self.log()
+            time.sleep(0.1)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.log()}") from None
+
+
+@contextmanager
+def engine_process(
+    log_dir: Path, *flags: str, prelude: str = "", env: dict[str, str] | None = None
+) -> Iterator[EngineProcess]:
+    """Serve the tiny model on CPU in a child process; ``prelude`` is Python run before the CLI
+    (to inject a fault into the real process). The child is killed if the test left it running."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    code = f"{prelude}\nimport sys\nfrom quire_engine.cli import main\nsys.exit(main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", code, "serve", "--port", str(port), "--device", "cpu", *flags]
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("QUIRE_")}
+    variables["PYTHONPATH"] = os.pathsep.join([str(ENGINE_DIR), variables.get("PYTHONPATH", "")])
+    log_path = log_dir / f"serve-{port}.log"
+    with log_path.open("w") as log:
+        child = subprocess.Popen(argv, env={**variables, **(env or {})}, stdout=log, stderr=log)
+    try:
+        yield EngineProcess(f"http://127.0.0.1:{port}", child, log_path)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
