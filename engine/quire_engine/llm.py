@@ -46,7 +46,10 @@ class LLM:
         """One finished ``RequestOutput`` per prompt, in prompt order.
 
         A prompt is a string or a list of token ids. ``params`` is one ``SamplingParams`` for all
-        or one per prompt. Invalid input raises ``ValueError`` before anything is queued."""
+        or one per prompt. Invalid input raises ``ValueError`` before anything is queued. A
+        request that fails inside the engine (an internal error in its own sampling, say) comes
+        back finished with ``error`` set and ``finish_reason`` "abort"; the others are unharmed.
+        A failure of the whole batch (the model forward) raises, and nothing stays queued."""
         prompt_list = _as_prompt_list(prompts)
         if params is None:
             params = SamplingParams()

@@ -199,14 +199,6 @@ def test_the_key_is_checked_before_the_body_is_read(guarded: RunningServer) -> N
     big = httpx2.post(url, json={"prompt": "a" * 5000})
     assert error_of(big, 401)["code"] == "invalid_api_key"  # not a 413
 
-    def never_ending() -> Iterator[bytes]:  # a body that would hang a server that reads it
-        yield b'{"prompt": "'
-        threading.Event().wait(timeout=30)
-        yield b'"}'
-
-    started = httpx2.post(url, content=never_ending(), headers={"content-type": "application/json"})
-    assert error_of(started, 401)["code"] == "invalid_api_key"
-
 
 def test_body_over_the_limit_is_413(guarded: RunningServer) -> None:
     url = f"{guarded.base_url}/completions"
