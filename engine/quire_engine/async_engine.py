@@ -8,8 +8,8 @@ Ownership:
   also owns the ``StatsRecorder`` (metrics). Between two steps it applies every queued command, so
   an abort lands before the next step starts: a request is stopped at most one step after the
   abort was asked for, and ``abort_request`` returns its blocks to the pool at once.
-* The event loop owns the routing table (engine request id -> the ``_Sink`` of its HTTP request)
-  and every ``_Sink``. The engine thread never touches them: it hands results over with
+* The event loop owns the routing table (engine request id -> the ``Sink`` of its HTTP request)
+  and every ``Sink``. The engine thread never touches them: it hands results over with
   ``call_soon_threadsafe``.
 * Whoever submits a request owns its ``RequestHandle`` and must call ``abort()`` when it stops
   listening (``abort()`` is a no-op once every output is final). The server does it in ``finally``
@@ -44,7 +44,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ from quire_engine.config import EngineConfig
 from quire_engine.engine import LLMEngine
 from quire_engine.metrics import ServerMetrics, StatsRecorder
 from quire_engine.outputs import RequestOutput
+from quire_engine.request_handle import EngineUnavailable, RequestHandle, Sink
 from quire_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,15 +67,6 @@ class EngineState(enum.Enum):
     READY = "ready"
     DEAD = "dead"  # load or a step raised; the thread is gone
     STOPPED = "stopped"
-
-
-class EngineUnavailable(Exception):
-    """The request cannot be taken now (HTTP 503); ``retry_after`` seconds is a fair wait."""
-
-    def __init__(self, message: str, *, code: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,70 +99,6 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
-
-
-class _Sink:
-    """Event-loop side of one HTTP request: the latest output of each of its prompts."""
-
-    __slots__ = ("aborted", "error", "event", "latest")
-
-    def __init__(self) -> None:
-        self.latest: dict[int, RequestOutput] = {}
-        self.event = asyncio.Event()
-        self.error: BaseException | None = None
-        self.aborted = False
-
-    def put(self, index: int, output: RequestOutput) -> None:
-        self.latest[index] = output
-        self.event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.event.set()
-
-
-class RequestHandle:
-    """The engine requests (one per prompt) of one HTTP request."""
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], sink: _Sink) -> None:
-        self._engine = engine
-        self._ids = request_ids
-        self._sink = sink
-        self._pending = set(range(len(request_ids)))
-        self.error: str | None = None  # the first prompt that failed inside the engine, if any
-
-    @property
-    def aborted(self) -> bool:
-        return self._sink.aborted
-
-    def abort(self) -> None:
-        """Stop every unfinished prompt and free its blocks. Idempotent and synchronous, so it is
-        safe in ``finally`` blocks of cancelled tasks and in done-callbacks."""
-        if not self._pending or self._sink.aborted:
-            return
-        self._sink.aborted = True
-        self._sink.event.set()
-        self._engine.abort([self._ids[i] for i in self._pending])
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """``(prompt index, cumulative output)`` until every prompt finished; stops early (without
-        an error) once ``abort()`` was called; raises ``EngineUnavailable`` if the engine stops."""
-        sink = self._sink
-        while self._pending:
-            await sink.event.wait()
-            sink.event.clear()
-            if sink.aborted:
-                return
-            if sink.error is not None:
-                raise sink.error
-            batch, sink.latest = sink.latest, {}
-            for index in sorted(batch):
-                output = batch[index]
-                if output.finished:
-                    self._pending.discard(index)
-                if output.error is not None and self.error is None:
-                    self.error = output.error
-                yield index, output
 
 
 class AsyncEngine:
@@ -209,7 +137,7 @@ class AsyncEngine:
         self._idle = True
         self._hung = False  # set by the watchdog; the engine thread stops after its step
         # Event loop only.
-        self._routes: dict[str, tuple[_Sink, int]] = {}
+        self._routes: dict[str, tuple[Sink, int]] = {}
         self._pending_adds = 0
         self._submits: set[asyncio.Future[None]] = set()  # adds the engine has not answered yet
         self._failure: EngineUnavailable | None = None  # set once the engine died or hung
@@ -298,7 +226,7 @@ class AsyncEngine:
             if len(prompts) == 1
             else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
-        sink = _Sink()
+        sink = Sink()
         for index, rid in enumerate(ids):
             self._routes[rid] = (sink, index)
         future: asyncio.Future[None] = self._loop.create_future()
@@ -319,7 +247,7 @@ class AsyncEngine:
         finally:
             self._submits.discard(future)
             self._pending_adds -= len(ids)
-        return RequestHandle(self, ids, sink)
+        return RequestHandle(self.abort, ids, sink)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:

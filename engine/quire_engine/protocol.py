@@ -14,7 +14,7 @@ and over HTTP).
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -125,7 +125,11 @@ class SamplingRequest(BaseModel):
         except ValueError as exc:
             # SamplingParams names the field first ("temperature must be >= 0; got -1").
             field = str(exc).split(" ", 1)[0]
-            raise OpenAIError(400, str(exc), param=field if field in kwargs else None) from exc
+            param = self._wire_names.get(field, field) if field in kwargs else None
+            raise OpenAIError(400, str(exc), param=param) from exc
+
+    # SamplingParams field -> this request's field, where the two names differ.
+    _wire_names: ClassVar[dict[str, str]] = {}
 
 
 class CompletionRequest(SamplingRequest):
@@ -173,6 +177,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    _wire_names: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from quire_engine.async_engine import RequestHandle
 from quire_engine.outputs import CompletionOutput
 from quire_engine.protocol import Json
+from quire_engine.request_handle import RequestHandle
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Json:

@@ -15,28 +15,27 @@ not ready, shutting down or engine dead 503 with ``Retry-After``, request bodies
 instead, after the failed choice's final chunk with ``finish_reason`` "abort"), and any other
 unhandled exception 500 ``internal_error``.
 
-Tokenization and chat templates run on one worker thread (``_Encoder``), so a large body never
-blocks the event loop. ``/health`` is 503 once the engine loop died or has made no progress for
-``step_timeout`` seconds with work pending (the liveness probe then restarts the pod).
+Tokenization and chat templates run on one worker thread (``PromptEncoder``), so a large body
+never blocks the event loop. ``/health`` is 503 once the engine loop died or has made no
+progress for ``step_timeout`` seconds with work pending (the liveness probe then restarts the
+pod). The published OpenAPI schema documents these error bodies (400, not FastAPI's 422).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,6 +52,7 @@ from quire_engine.engine import LLMEngine
 from quire_engine.metrics import ServerMetrics
 from quire_engine.middleware import ApiKeyGuard, BodyLimit
 from quire_engine.outputs import RequestOutput
+from quire_engine.prompt_encoder import PromptEncoder
 from quire_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,7 +68,6 @@ from quire_engine.rendering import (
     usage,
 )
 from quire_engine.sampling_params import SamplingParams
-from quire_engine.tiny_model import CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +156,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+
     v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/models", api.models, methods=["GET"])
     v1.add_api_route("/completions", api.completions, methods=["POST"])
@@ -172,15 +173,15 @@ class _Api:
         self.settings = settings
         self.engine = engine
         self.created = int(time.time())
-        self._encoder: _Encoder | None = None
+        self._encoder: PromptEncoder | None = None
 
     def close(self) -> None:
         if self._encoder is not None:
             self._encoder.close()
 
-    def encoder(self, info: ModelInfo) -> _Encoder:
+    def encoder(self, info: ModelInfo) -> PromptEncoder:
         if self._encoder is None:
-            self._encoder = _Encoder(info.tokenizer)
+            self._encoder = PromptEncoder(info.tokenizer)
         return self._encoder
 
     async def models(self) -> Json:
@@ -365,55 +366,6 @@ def _event(payload: Json) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-class _Encoder:
-    """Prompts to token ids on one worker thread, with a tokenizer of its own: tokenizing or
-    templating a large body takes long enough to stall every stream if done on the event loop,
-    and the event loop's tokenizer (rendering) is then never used by two threads at once."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = copy.deepcopy(tokenizer)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quire-tokenize")
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def prompt(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return prompt  # token ids: the engine checks their range
-        if not prompt:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        ids: list[int] = await self._run(self._encode, prompt, True)
-        return ids
-
-    async def chat(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool
-    ) -> list[int]:
-        ids: list[int] = await self._run(self._chat, conversation, add_generation_prompt)
-        return ids
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
-    def _chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        tokenizer = self._tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=None if tokenizer.chat_template else CHAT_TEMPLATE,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
-        except Exception as exc:  # jinja raises for conversations the template refuses
-            raise OpenAIError(
-                400, f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
-        # The template already placed any special tokens the model expects.
-        return self._encode(text, False)
-
-
 def _max_tokens(info: ModelInfo, num_prompt: int, requested: int | None, param: str) -> int:
     """``requested`` checked against the context (vLLM's wording); None means "the rest of it"."""
     limit = info.max_model_len
@@ -464,6 +416,48 @@ def _unavailable(exc: EngineUnavailable) -> OpenAIError:
 
 
 # ---- errors ---------------------------------------------------------------------------------
+_ERROR_SCHEMA: Json = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+        }
+    },
+}
+
+
+def _openapi(app: FastAPI) -> Json:
+    """FastAPI's schema with the errors this server really answers: OpenAI-shaped 400s where
+    FastAPI documents its 422, and the other error statuses as a default response."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["OpenAIError"] = _ERROR_SCHEMA
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        error = {"$ref": "#/components/schemas/OpenAIError"}
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                responses = operation.setdefault("responses", {})
+                if responses.pop("422", None) is not None:
+                    content = {"application/json": {"schema": error}}
+                    responses["400"] = {"description": "Invalid request", "content": content}
+                responses["default"] = {
+                    "description": "Error (OpenAI's shape)",
+                    "content": {"application/json": {"schema": error}},
+                }
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 

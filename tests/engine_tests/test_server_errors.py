@@ -118,7 +118,7 @@ def test_nan_and_infinity_are_400(server: RunningServer) -> None:
             assert error_of(response, 400)["param"] == field
     chat = {"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}
     response = httpx2.post(f"{server.base_url}/chat/completions", json=chat)
-    assert error_of(response, 400)["param"] == "logprobs"
+    assert error_of(response, 400)["param"] == "top_logprobs"
     chat = {"messages": MESSAGES, "max_completion_tokens": 0}
     response = httpx2.post(f"{server.base_url}/chat/completions", json=chat)
     assert error_of(response, 400)["param"] == "max_tokens"

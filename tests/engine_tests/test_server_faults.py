@@ -15,6 +15,7 @@ import httpx2
 import pytest
 
 from quire_engine import engine as engine_module
+from quire_engine import prompt_encoder
 from quire_engine import server as server_module
 from quire_engine.sampler import SampleRow
 from tests.engine_tests.server_harness import (
@@ -205,13 +206,13 @@ def test_tokenization_and_chat_templates_run_off_the_event_loop(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: list[str] = []
-    real = server_module._Encoder._encode
+    real = prompt_encoder.PromptEncoder._encode
 
     def recording(self: Any, text: str, add_special_tokens: bool) -> list[int]:
         threads.append(threading.current_thread().name)
         return real(self, text, add_special_tokens)
 
-    monkeypatch.setattr(server_module._Encoder, "_encode", recording)
+    monkeypatch.setattr(prompt_encoder.PromptEncoder, "_encode", recording)
     big = "word " * 100_000  # 500 kB: tokenized on the worker, then refused as too long
     response = httpx2.post(f"{server.base_url}/completions", json={"prompt": big}, timeout=60)
     assert error_of(response, 400)["code"] == "context_length_exceeded"

@@ -179,3 +179,16 @@ def test_garbage_bodies_are_4xx(fuzzed: RunningServer, garbage: bytes) -> None:
     )
     assert 400 <= response.status_code < 500, response.text
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_schema_documents_openai_errors(schemas: dict[str, Any], fuzzed: RunningServer) -> None:
+    paths = httpx2.get(f"{fuzzed.url}/openapi.json").json()["paths"]
+    responses = paths["/v1/completions"]["post"]["responses"]
+    assert "422" not in responses  # the server answers validation errors with 400
+    assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("OpenAIError")
+    assert set(schemas["OpenAIError"]["properties"]["error"]["required"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
