@@ -2,9 +2,13 @@
 
 Faults are injected by wrapping the engine's own collaborators (sampling, the detokenizer, stop
 checks, beam steps, generator creation, the model forward) so that they raise for one marked
-request only. The poisoned request finishes with ``finish_reason`` "abort" and ``error``; every
-other request in the same batch finishes exactly as in a clean run; no block stays referenced
-(the autouse fixture checks the pool after each test).
+request only. The poisoned request finishes with ``finish_reason`` "abort" and ``error``; no
+block stays referenced (the autouse fixture checks the pool after each test).
+
+The healthy requests must come out token-identical to a clean run of the same batch. To make
+that exact (never hinging on a float near-tie), the fault strikes while the poisoned request
+produces its last token: until then both runs compute bit-identical batches, and the step of
+the fault feeds everyone identical logits.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from quire_engine.outputs import RequestOutput
 from quire_engine.sampler import SampleRow
 
 POISON_SEED = 666_666
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LAST = 8  # max_tokens of every request here; faults strike at the last token
+GREEDY = SamplingParams(temperature=0.0, max_tokens=LAST, ignore_eos=True)
 PROMPTS = ["first healthy prompt", "second one", "a third, longer healthy prompt"]
 
 
@@ -31,27 +36,26 @@ def llm() -> LLM:
     return LLM(device="cpu", num_blocks=128, max_model_len=128, max_num_seqs=8)
 
 
-@pytest.fixture(scope="module")
-def clean(llm: LLM) -> list[list[int]]:
-    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+def run(llm: LLM, poisoned: str | list[int], params: SamplingParams) -> list[RequestOutput]:
+    return llm.generate([*PROMPTS, poisoned], [GREEDY, GREEDY, GREEDY, params])
 
 
-def assert_unharmed(llm: LLM, outs: list[RequestOutput], clean: list[list[int]]) -> None:
-    assert [out.outputs[0].token_ids for out in outs] == clean
+def assert_unharmed(llm: LLM, outs: list[RequestOutput], clean: list[RequestOutput]) -> None:
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in clean]
     assert all(out.error is None and out.outputs[0].finish_reason == "length" for out in outs)
     assert not llm.engine.has_unfinished()
     assert not llm.engine.scheduler.has_unfinished()
     assert llm.kv_cache_stats().used == 0
 
 
-def assert_failed(out: RequestOutput, what: str) -> None:
+def assert_failed(out: RequestOutput, what: str, n: int = 1) -> None:
     assert out.finished and out.error is not None and what in out.error, out.error
-    assert out.outputs and all(o.finish_reason == "abort" for o in out.outputs)
+    assert len(out.outputs) == n and all(o.finish_reason == "abort" for o in out.outputs)
 
 
 def poisoned_sample(real: Callable[..., Any]) -> Callable[..., Any]:
     def sample(logits: Any, rows: list[SampleRow]) -> Any:
-        if any(r.params.seed == POISON_SEED for r in rows):
+        if any(r.params.seed == POISON_SEED and len(r.output_token_ids) == LAST - 1 for r in rows):
             raise RuntimeError("injected sampling fault")
         return real(logits, rows)
 
@@ -60,79 +64,85 @@ def poisoned_sample(real: Callable[..., Any]) -> Callable[..., Any]:
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_fault_in_one_requests_sampling_fails_only_that_request(
-    llm: LLM, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch, n: int
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
+    bad = SamplingParams(n=n, temperature=1.0, seed=POISON_SEED, max_tokens=LAST)
+    clean = run(llm, "poisoned", bad)
     monkeypatch.setattr(engine_module, "sample", poisoned_sample(engine_module.sample))
-    bad = SamplingParams(n=n, temperature=1.0, seed=POISON_SEED, max_tokens=8)
-    outs = llm.generate([*PROMPTS, "poisoned"], [GREEDY, GREEDY, GREEDY, bad])
-    assert_failed(outs[3], "injected sampling fault")
-    assert_unharmed(llm, outs[:3], clean)
-    assert_unharmed(llm, llm.generate(PROMPTS, GREEDY), clean)  # and the engine goes on
+    outs = run(llm, "poisoned", bad)
+    assert_failed(outs[3], "injected sampling fault", n)
+    assert_unharmed(llm, outs[:3], clean[:3])
+    monkeypatch.undo()
+    assert_unharmed(llm, run(llm, "poisoned", bad)[:3], clean[:3])  # and the engine goes on
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_fault_in_detokenization_after_the_fork_fails_only_that_request(
-    llm: LLM, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch, n: int
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
-    marker = 7  # a token id only the poisoned prompt contains
+    marker = [7, 7, 7]  # a prompt of token ids no healthy prompt ends with
 
     class Poisoned(Detokenizer):
         def add(self, token_id: int) -> str:
-            if marker in self.token_ids[:5]:
+            if self.token_ids[:3] == marker and len(self.token_ids) == len(marker) + LAST - 1:
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
             return super().add(token_id)
 
+    bad = SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=LAST)
+    clean = run(llm, marker, bad)
     monkeypatch.setattr(table_module, "Detokenizer", Poisoned)
-    bad = SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=8)
-    outs = llm.generate([*PROMPTS, [marker] * 3], [GREEDY, GREEDY, GREEDY, bad])
-    assert_failed(outs[3], "UnicodeDecodeError")
-    # The n samples were forked before the fault: all of them ended, their blocks came back.
-    assert len(outs[3].outputs) == n
-    assert_unharmed(llm, outs[:3], clean)
+    outs = run(llm, marker, bad)
+    # The n samples were forked long before the fault: all of them ended, their blocks came back.
+    assert_failed(outs[3], "UnicodeDecodeError", n)
+    assert_unharmed(llm, outs[:3], clean[:3])
 
 
 def test_a_fault_in_stop_checking_fails_only_that_request(
-    llm: LLM, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = engine_module.find_stop
+    calls = [0]
 
     def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> Any:
         if "POISON" in stops:
-            raise IndexError("injected stop-check fault")
+            calls[0] += 1  # once per token of the poisoned request
+            if calls[0] == LAST:
+                raise IndexError("injected stop-check fault")
         return real(text, new_len, stops)
 
+    bad = SamplingParams(temperature=0.0, max_tokens=LAST, stop=["POISON"], ignore_eos=True)
+    clean = run(llm, "stop me", bad)
     monkeypatch.setattr(engine_module, "find_stop", find_stop)
-    bad = SamplingParams(temperature=0.0, max_tokens=8, stop=["POISON"], ignore_eos=True)
-    outs = llm.generate([*PROMPTS, "stop me"], [GREEDY, GREEDY, GREEDY, bad])
+    outs = run(llm, "stop me", bad)
     assert_failed(outs[3], "injected stop-check fault")
-    assert_unharmed(llm, outs[:3], clean)
+    assert_unharmed(llm, outs[:3], clean[:3])
 
 
 def test_a_fault_in_one_beam_step_fails_only_that_beam_search(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def beams(out: RequestOutput) -> list[tuple[list[int], str | None]]:
-        return [(o.token_ids, o.finish_reason) for o in out.outputs]  # logprobs: float noise
+    def beams(out: RequestOutput) -> list[tuple[list[int], float | None, str | None]]:
+        return [(o.token_ids, o.cumulative_logprob, o.finish_reason) for o in out.outputs]
 
-    clean = llm.beam_search(["beam a", "beam b"], beam_width=3, max_tokens=6)
-    expected = [beams(out) for out in clean]
+    prompts = ["beam a", "beam poisoned", "beam b"]
+    clean = llm.beam_search(prompts, beam_width=3, max_tokens=6)
     real = beam_search.advance
 
     def advance(table: Any, req: Any, state: Any, eos: int | None) -> None:
-        if req.prompt == "beam poisoned":
+        tokens = len(table.owner(state.active[0])[1].seq.output_token_ids)
+        if req.prompt == "beam poisoned" and tokens == 5:  # the last step
             raise KeyError("injected beam fault")
         real(table, req, state, eos)
 
     monkeypatch.setattr(beam_search, "advance", advance)
-    outs = llm.beam_search(["beam a", "beam poisoned", "beam b"], beam_width=3, max_tokens=6)
+    outs = llm.beam_search(prompts, beam_width=3, max_tokens=6)
     assert outs[1].error is not None and "injected beam fault" in outs[1].error
-    assert [beams(outs[0]), beams(outs[2])] == expected
+    assert [beams(outs[0]), beams(outs[2])] == [beams(clean[0]), beams(clean[2])]
     assert llm.kv_cache_stats().used == 0
 
 
-def test_add_is_transactional(
-    llm: LLM, clean: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_add_is_transactional(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    clean = run(llm, "fine", GREEDY)
     engine = llm.engine
     sched = engine.scheduler
 
@@ -166,7 +176,7 @@ def test_add_is_transactional(
     assert engine.num_requests == 1 and list(sched.seqs) == ["dup/0"]
     engine.abort_request("dup")
     untouched()
-    assert_unharmed(llm, llm.generate(PROMPTS, GREEDY), clean)
+    assert_unharmed(llm, run(llm, "fine", GREEDY), clean)
 
 
 def test_a_failing_forward_fails_the_batch_and_frees_everything(
@@ -212,9 +222,8 @@ def test_extreme_but_valid_values_generate() -> None:
     longest = outs[8]
     assert len(longest.prompt_token_ids) + len(longest.outputs[0].token_ids) == 64
     assert longest.outputs[0].finish_reason == "length"
-    greedy = llm.generate("extreme", SamplingParams(temperature=0.0, max_tokens=4))[0]
-    assert outs[2].outputs[0].token_ids == greedy.outputs[0].token_ids
-    assert len(outs[4].outputs) == 3
+    assert len(outs[4].outputs) == 3 and len(outs[9].outputs[0].logprobs or []) == 4
+    assert llm.kv_cache_stats().used == 0
 
 
 def _raise(error: Exception) -> Callable[..., Any]:

