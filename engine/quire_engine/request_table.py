@@ -16,7 +16,6 @@ index. The table drives the scheduler for every change of membership (``add``, `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,12 +75,6 @@ class RequestTable:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._requests.values()))
-
-    def get(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
 
     def owner(self, seq_id: str) -> tuple[Request, Sample]:
         """The request and sample of a live sequence (``KeyError`` for an unknown id)."""
