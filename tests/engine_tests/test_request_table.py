@@ -1,0 +1,76 @@
+"""The request table against a real scheduler: membership changes keep the table and the
+scheduler in step, with exact block counts (no model, no tokenizer needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from quire_engine.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.request_table import Request, RequestTable
+from quire_engine.sampling_params import SamplingParams
+from quire_engine.scheduler import Scheduler
+from quire_engine.sequence import Sequence, SequenceStatus
+
+
+def make_table(num_blocks: int = 8) -> RequestTable:
+    scheduler = Scheduler(
+        SchedulerConfig(4, 64, 64, PreemptionMode.RECOMPUTE), CacheConfig(num_blocks, 4, True, 0)
+    )
+    return RequestTable(scheduler, tokenizer=None)
+
+
+def add(table: RequestTable, rid: str, prompt: list[int], **params: object) -> Request:
+    req = Request(rid, None, prompt, SamplingParams(**params))  # type: ignore[arg-type]
+    seq = Sequence(f"{rid}/0", prompt, max_tokens=req.params.max_tokens)
+    table.add(req, table.new_sample(req, seq, 0, None))
+    return req
+
+
+def test_add_is_all_or_nothing() -> None:
+    table = make_table(num_blocks=2)  # 8 slots
+    add(table, "a", [1, 2, 3], max_tokens=2)
+    assert table.ids() == ["a"] and list(table.scheduler.seqs) == ["a/0"]
+    with pytest.raises(ValueError, match="duplicate request id 'a'"):
+        add(table, "a", [1])
+    with pytest.raises(ValueError, match="needs up to 3 KV blocks"):
+        add(table, "b", [1] * 9, max_tokens=2)  # the scheduler refuses: nothing inserted
+    assert table.ids() == ["a"] and list(table.scheduler.seqs) == ["a/0"]
+    assert table.owner("a/0")[0].request_id == "a"
+    with pytest.raises(KeyError):
+        table.owner("b/0")
+
+
+def test_fork_retire_fail_and_remove_return_every_block() -> None:
+    table = make_table()
+    sched = table.scheduler
+    req = add(table, "r", [1, 2, 3, 4, 5], n=2, max_tokens=4)
+    out = sched.schedule()  # prefill: 2 blocks of 4
+    sched.update(out, {"r/0": 9})
+    first = req.samples[0]
+    child = table.fork(req, first, "r/1", 1, None, last_token=7)
+    assert child.seq.output_token_ids == [7] and first.seq.output_token_ids == [9]
+    assert table.owner("r/1") == (req, child)
+    assert sched.kv.stats().used == 2  # shared, not copied
+    table.retire(req, child)
+    assert [s.seq.seq_id for s in req.samples] == ["r/0"] and "r/1" not in sched.seqs
+    table.fail(req, "boom")
+    assert req.finished and req.error == "boom"
+    assert first.output.finish_reason == "abort" and first.seq.status is SequenceStatus.FINISHED
+    assert sched.kv.stats().used == 0 and "r" in table  # listed until the engine reports it
+    table.fail(req, "second error")
+    assert req.error == "boom"  # the first error is kept
+    table.remove(req)
+    assert len(table) == 0 and not sched.seqs
+
+
+def test_abort_in_any_state() -> None:
+    table = make_table()
+    running = add(table, "r", [3, 4, 5])
+    table.scheduler.schedule()
+    waiting = add(table, "w", [1, 2])
+    assert running.samples[0].seq.status is SequenceStatus.RUNNING
+    assert waiting.samples[0].seq.status is SequenceStatus.WAITING
+    assert table.abort("r") is running and table.abort("w") is waiting
+    assert table.abort("unknown") is None
+    assert len(table) == 0 and table.scheduler.kv.stats().used == 0
+    assert all(s.output.finish_reason == "abort" for s in running.samples + waiting.samples)
