@@ -13,27 +13,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.tiny_model import build_tokenizer
-from tests.engine_tests.models import ARCHITECTURES
+from tests.engine_tests.models import ARCHITECTURES, greedy_reference
 from tests.engine_tests.test_llm_equivalence import MAX_TOKENS, prompts
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list]:
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt], device="cuda")
-    gen = model.generate(
-        ids,
-        max_new_tokens=n,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return gen.sequences[0, len(prompt) :].tolist(), [lg[0].float() for lg in gen.logits]
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -53,8 +39,8 @@ def test_cuda_float32_token_exact(arch: str, model_dirs: dict[str, Path]) -> Non
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results = llm.generate(prompts(), params)
     for p, result in zip(prompts(), results, strict=True):
-        tokens, _ = hf_greedy(model, p, MAX_TOKENS)
-        assert result.outputs[0].token_ids == tokens
+        # The checkpoints are tie-free on these prompts (test_llm_equivalence checks it on CPU).
+        assert result.outputs[0].token_ids == greedy_reference(model, p, MAX_TOKENS).tokens
     assert llm.engine.scheduler.num_preemptions  # the small pool forced preemption on the GPU
     assert llm.kv_cache_stats().used == 0
 
@@ -89,14 +75,14 @@ def test_cuda_bfloat16_logits_on_a_134m_model(tmp_path: Path) -> None:
     )
     report = []
     for p, result in zip(batch, results, strict=True):
-        tokens, logits = hf_greedy(model, p, n)
+        ref = greedy_reference(model, p, n)
         ours = result.outputs[0]
         first_div = next(
-            (i for i, (a, b) in enumerate(zip(ours.token_ids, tokens, strict=True)) if a != b), None
+            (i for i, (a, b) in enumerate(zip(ours.token_ids, ref.tokens, strict=True)) if a != b),
+            None,
         )
         # Compare the first step (same prefix by construction): top-20 log-probabilities.
-        ref = torch.log_softmax(logits[0], dim=-1)
-        diff = max(abs(lp - float(ref[t])) for t, lp in ours.logprobs[0].items())
+        diff = max(abs(lp - float(ref.logprobs[0, t])) for t, lp in ours.logprobs[0].items())
         report.append(
             {
                 "prompt_len": len(p),
