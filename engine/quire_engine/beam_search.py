@@ -63,13 +63,13 @@ def rank(beams: Seq[tuple[str, float, torch.Tensor]], width: int) -> list[tuple[
 def advance(engine: LLMEngine, req: _Request, state: BeamState) -> None:
     """Choose the next beams and apply the choice: forks first (they need their parent alive),
     then appends, then pruning of beams nobody continues."""
-    eos = engine.eos_token_id
+    eos = engine.eos_token_ids
     beams = [(sid, state.cumulative.get(sid, 0.0), state.pending[sid]) for sid in state.active]
     chosen: list[tuple[float, str, int]] = []
     for position, (score, sid, tok) in enumerate(rank(beams, state.width)):
         if len(chosen) == state.width:
             break
-        if tok == eos and not state.ignore_eos:
+        if tok in eos and not state.ignore_eos:
             if position < state.width:
                 seq = engine._owner[sid][1].seq
                 state.finished.append(([*seq.output_token_ids, tok], score, "stop"))

@@ -263,6 +263,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += n
+            if self.kv.sliding_window is not None:  # blocks no future query can see
+                self.kv.release_out_of_window(seq)
             token = sampled.get(seq.seq_id)
             if token is not None and self.append(seq, token):
                 finished.append(seq)
