@@ -46,10 +46,12 @@ class LLM:
         """One finished ``RequestOutput`` per prompt, in prompt order.
 
         A prompt is a string or a list of token ids. ``params`` is one ``SamplingParams`` for all
-        or one per prompt. Invalid input raises ``ValueError`` before anything is queued."""
+        or one per prompt; None takes the checkpoint's ``generation_config.json`` sampling values
+        (temperature, top_p, top_k, min_p), as vLLM does. Invalid input raises ``ValueError``
+        before anything is queued."""
         prompt_list = _as_prompt_list(prompts)
         if params is None:
-            params = SamplingParams()
+            params = SamplingParams(**self.engine.sampling_defaults)
         param_list = (
             [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         )

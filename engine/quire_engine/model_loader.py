@@ -31,12 +31,12 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from quire_engine import attention, tiny_model
+from quire_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class LoadedModel:
     max_position_embeddings: int
     layers: tuple[attention.LayerAttention, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     context_limit: str = "the model's max_position_embeddings"
 
     @property
@@ -126,8 +126,8 @@ def load(
     if model is None or model == TINY:
         # Always seed 0: "tiny" names one fixed model, whatever the engine's sampling seed.
         net: Any = torch.nn.Module.to(tiny_model.build_tiny_model(seed=0), device, dtype)
-        tokenizer = tiny_model.build_tokenizer()
-        name, limit, generation = TINY, int(net.config.max_position_embeddings), None
+        tokenizer: PreTrainedTokenizerBase = tiny_model.build_tokenizer()
+        name, limit, generation = TINY, int(net.config.max_position_embeddings), {}
         reason = "the model's max_position_embeddings"
     else:
         path = Path(model).expanduser()
@@ -159,12 +159,14 @@ def load(
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     layers = tuple(attention.inspect_layers(net, kv_heads, head_dim))
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    eos |= _ids(getattr(generation, "eos_token_id", None))
-    defaults = {
-        key: getattr(generation, key)
-        for key in _SAMPLING_DEFAULTS
-        if generation is not None and getattr(generation, key, None) is not None
-    }
+    eos |= _ids(generation.get("eos_token_id"))
+    defaults = {k: generation[k] for k in _SAMPLING_DEFAULTS if generation.get(k) is not None}
+    if defaults.get("top_k") in (0, -1):  # transformers' and vLLM's spellings of "no limit"
+        del defaults["top_k"]
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"generation_config.json of {name}: {exc}") from exc
     loaded = LoadedModel(net, tokenizer, name, limit, layers, tuple(sorted(eos)), defaults, reason)
     logger.info(
         "model %s ready in %.1f s: %d layers (%s), EOS ids %s, sampling defaults %s",
@@ -230,13 +232,19 @@ def _context_limit(config: Any) -> tuple[int, str]:
     return limit, reason
 
 
-def _generation_config(path: Path) -> GenerationConfig | None:
-    if not (path / "generation_config.json").is_file():
-        return None
+def _generation_config(path: Path) -> dict[str, Any]:
+    """The fields ``generation_config.json`` sets (not transformers' defaults for the others:
+    an unset ``top_k`` must not become 50)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
     try:
-        return GenerationConfig.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"cannot read {path / 'generation_config.json'}: {exc}") from exc
+        fields = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return fields
 
 
 def _ids(value: object) -> set[int]:

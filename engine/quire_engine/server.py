@@ -57,7 +57,6 @@ from quire_engine.rendering import (
     usage,
 )
 from quire_engine.sampling_params import SamplingParams
-from quire_engine.tiny_model import CHAT_TEMPLATE
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
@@ -180,10 +179,17 @@ class _Api:
         num_logprobs = body.num_logprobs
         info = self._admit(body, 1)
         tokenizer = info.tokenizer
+        if not tokenizer.chat_template:
+            # No fallback: another model's template would silently produce the wrong format.
+            raise OpenAIError(
+                400,
+                "the model's tokenizer has no chat template; use /v1/completions, or start the "
+                "server with --chat-template",
+                param="messages",
+            )
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
-                chat_template=None if tokenizer.chat_template else CHAT_TEMPLATE,
                 add_generation_prompt=body.add_generation_prompt,
                 tokenize=False,
             )

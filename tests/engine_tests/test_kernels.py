@@ -741,6 +741,18 @@ def test_cuda_kernel_matches_reference(
             torch.testing.assert_close(
                 out, expected, atol=atol, rtol=rtol, msg=f"{specs} splits={num_splits}"
             )
+        # Gemma 2's attention: a sliding window (released blocks hold NaN) and a soft-cap.
+        for window, softcap in ((100, None), (1000, 50.0), (None, 20.0)):
+            b = make_batch(
+                specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                dtype=dtype, device="cuda", seed=seed, sliding_window=window, softcap=softcap,
+            )  # fmt: skip
+            expected = b.reference()
+            for num_splits in (None, 1, 5):
+                torch.testing.assert_close(
+                    b.kernel(num_splits), expected, atol=atol, rtol=rtol,
+                    msg=f"{specs} window={window} softcap={softcap} splits={num_splits}",
+                )  # fmt: skip
 
 
 @gpu
