@@ -317,6 +317,7 @@ class AsyncEngine:
     def _main(self) -> None:
         engine: LLMEngine | None = None
         recorder: StatsRecorder | None = None
+        started = time.monotonic()
         try:
             engine = self._factory(self.config)
             _warm_up(engine)
@@ -325,7 +326,10 @@ class AsyncEngine:
             self.info = ModelInfo(engine.model_name, engine.max_model_len, tokenizer)
             self.state = EngineState.READY
             logger.info(
-                "engine ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len
+                "engine ready in %.1f s (load + warm-up): model %s, max_model_len %d",
+                time.monotonic() - started,
+                engine.model_name,
+                engine.max_model_len,
             )
             self._serve(engine, recorder)
             self.state = EngineState.STOPPED

@@ -73,10 +73,7 @@ class LLMEngine:
         self.vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009
         max_len = config.max_model_len or loaded.max_position_embeddings
         if max_len > loaded.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_len} exceeds {loaded.context_limit} "
-                f"({loaded.max_position_embeddings})"
-            )
+            raise ValueError(f"max_model_len={max_len} exceeds {loaded.context_limit}")
         self.max_model_len = max_len
         batched = config.max_num_batched_tokens or max(2048, min(max_len, 8192))
         shape = CacheShape.of(loaded.model, config.block_size, self.dtype)

@@ -79,7 +79,7 @@ class LoadedModel:
     layers: tuple[attention.LayerAttention, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    context_limit: str = "the model's max_position_embeddings"
+    context_limit: str = "the model's max_position_embeddings"  # what sets the limit, and why
 
     @property
     def sliding_window(self) -> int | None:
@@ -128,7 +128,7 @@ def load(
         net: Any = torch.nn.Module.to(tiny_model.build_tiny_model(seed=0), device, dtype)
         tokenizer: PreTrainedTokenizerBase = tiny_model.build_tokenizer()
         name, limit, generation = TINY, int(net.config.max_position_embeddings), {}
-        reason = "the model's max_position_embeddings"
+        reason = f"the model's max_position_embeddings={limit}"
     else:
         path = Path(model).expanduser()
         _check_checkpoint(path, model)
@@ -204,7 +204,7 @@ def _check_checkpoint(path: Path, model: str) -> None:
 def _context_limit(config: Any) -> tuple[int, str]:
     """The longest context served exactly, and what sets it."""
     limit = int(config.max_position_embeddings)
-    reason = "the model's max_position_embeddings"
+    reason = f"the model's max_position_embeddings={limit}"
     params = getattr(config, "rope_parameters", None) or {}
     # Per layer type (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) or flat.
     groups = [p for p in params.values() if isinstance(p, dict)] or [params]
