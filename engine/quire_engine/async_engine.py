@@ -31,8 +31,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -72,6 +72,8 @@ class ModelInfo:
     model_name: str
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase
+    # generation_config.json's sampling values, for request fields left unset.
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -323,7 +325,9 @@ class AsyncEngine:
             _warm_up(engine)
             recorder = StatsRecorder(self.metrics, engine.scheduler)
             tokenizer = copy.deepcopy(engine.tokenizer)
-            self.info = ModelInfo(engine.model_name, engine.max_model_len, tokenizer)
+            self.info = ModelInfo(
+                engine.model_name, engine.max_model_len, tokenizer, engine.sampling_defaults
+            )
             self.state = EngineState.READY
             logger.info(
                 "engine ready in %.1f s (load + warm-up): model %s, max_model_len %d",

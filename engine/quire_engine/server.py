@@ -166,7 +166,9 @@ class _Api:
         prompts = [_encode(info, text) for text in texts]
         params = [
             body.sampling_params(
-                _max_tokens(info, len(p), body.max_tokens, "prompt"), body.logprobs
+                _max_tokens(info, len(p), body.max_tokens, "prompt"),
+                body.logprobs,
+                info.sampling_defaults,
             )
             for p in prompts
         ]
@@ -200,7 +202,7 @@ class _Api:
         # The template already placed any special tokens the model expects.
         prompt = list(tokenizer(text, add_special_tokens=False).input_ids)
         max_tokens = _max_tokens(info, len(prompt), body.requested_max_tokens, "messages")
-        params = [body.sampling_params(max_tokens, num_logprobs)]
+        params = [body.sampling_params(max_tokens, num_logprobs, info.sampling_defaults)]
         renderer = ChatRenderer(info.tokenizer, num_logprobs or 0)
         return await self._generate(request, body, "chatcmpl", [prompt], params, renderer, arrival)
 

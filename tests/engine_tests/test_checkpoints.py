@@ -78,13 +78,25 @@ def test_generation_config_eos_list_and_sampling_defaults(
         LLM(str(path), **SMALL)
 
 
-def test_chat_template_from_tokenizer_flag_or_400(tmp_path: Path) -> None:
+def test_chat_template_flag_or_400_and_server_sampling_defaults(tmp_path: Path) -> None:
+    """A tokenizer without a chat template: chat is a 400 (no foreign template), completions
+    work, ``chat_template`` supplies one. The server fills unset sampling fields from
+    generation_config.json: here temperature 0, so a request without one decodes greedily."""
     path = build("llama", tmp_path / "ckpt")
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     for extra in path.glob("chat_template.*"):
         extra.unlink()
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    llm = LLM(str(path), chat_template=str(template), **SMALL)
+    assert llm.tokenizer.chat_template == template.read_text()
+    greedy = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(path), chat_template=str(tmp_path / "missing.jinja"), **SMALL)
+
     engine = {"model": str(path), "num_blocks": 32, "max_model_len": 128}
     with serve(tiny_settings(engine, served_model_names=("ckpt",))) as server:
         client = server.client()
@@ -92,14 +104,9 @@ def test_chat_template_from_tokenizer_flag_or_400(tmp_path: Path) -> None:
             client.chat.completions.create(
                 model="ckpt", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
-        # Completions need no template.
-        assert client.completions.create(model="ckpt", prompt="hi", max_tokens=2).choices
-    template = tmp_path / "template.jinja"
-    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    llm = LLM(str(path), chat_template=str(template), **SMALL)
-    assert llm.tokenizer.chat_template == template.read_text()
-    with pytest.raises(ValueError, match="does not exist"):
-        LLM(str(path), chat_template=str(tmp_path / "missing.jinja"), **SMALL)
+        # Completions need no template; no temperature in the request: the checkpoint's 0.
+        out = client.completions.create(model="ckpt", prompt="Hello", max_tokens=12)
+        assert out.choices[0].text == greedy.outputs[0].text
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -8,16 +8,17 @@ top-2 margin >= TIE_MARGIN, checked here, failing loudly with the place of the t
 engine's log-probabilities must match within 1e-4 at every step of that path (teacher-forced: the
 path is the reference's own), a margin of 1e-3 leaves the argmax no room to flip on any machine.
 
-The matrix (about 50 engine runs, a few minutes on 2 cores). Three architectures run every
-variant (block sizes 8/16/32, prefix caching on and off, forced preemption by recompute with and
-without prefix caching, and by swap): Llama (the plain baseline), Mistral (a sliding window on
-every layer, so out-of-window blocks are released while sequences run, and the prefix cache,
-preemption and swap all meet released blocks) and Gemma 2 (local and global layers alternating,
-with attention logit soft-capping). Every other architecture runs the three variants that
-between them cover prefix caching on and off and both preemption modes (``CORE_VARIANTS``):
-their differences from Llama are in transformers' per-layer code (norms, projections, MoE
-routing, multipliers, RoPE) and in what the attention call receives, which the block-level
-variants do not interact with; block sizes and the paging paths are proven by the three above.
+The matrix (about 55 engine runs, a few minutes on 2 cores). Three architectures run every
+variant (block sizes 8/16/32, prefix caching on and off, chunked prefill, forced preemption by
+recompute with and without prefix caching, and by swap): Llama (the plain baseline), Mistral (a
+sliding window on every layer, so out-of-window blocks are released while sequences run, and the
+prefix cache, chunked prefill, preemption and swap all meet released blocks) and Gemma 2 (local
+and global layers alternating, with attention logit soft-capping). Every other architecture runs
+the three variants that between them cover prefix caching on and off and both preemption modes
+(``CORE_VARIANTS``): their differences from Llama are in transformers' per-layer code (norms,
+projections, MoE routing, multipliers, RoPE) and in what the attention call receives, which the
+block-level variants do not interact with; block sizes, chunking and the paging paths are
+proven by the three above.
 Contexts run to 88 tokens, past every test window (20 and 27 positions).
 """
 
@@ -88,6 +89,9 @@ VARIANTS = {
         "preemption_mode": "swap",
         "swap_space": 0.01,
     },
+    # Prompts prefilled in chunks of at most 13 tokens (shared with the decodes of the step),
+    # off block and window boundaries: queries with a cached prefix and a window.
+    "chunked-prefill-bs8": {"block_size": 8, "max_num_batched_tokens": 13},
     "noprefix-preempt-recompute": {
         "block_size": 8,
         "num_blocks": 16,
