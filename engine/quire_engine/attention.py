@@ -31,6 +31,7 @@ from quire_engine.kernels.kv_cache_ops import write_kv
 from quire_engine.kernels.paged_attention import paged_attention, paged_attention_reference
 
 ATTENTION_NAME = "quire"
+PROFILE_NAME = "quire_profile"  # no attention at all: see register_profiling
 _PROBE_NAME = "quire_probe"
 
 # Keywords a transformers attention layer passes that Quire may drop, and why each is safe.
@@ -129,6 +130,28 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
+def _zero_output(query: torch.Tensor) -> torch.Tensor:
+    """An attention output of the right shape: [B, T, heads, D] for query [B, heads, T, D]."""
+    b, heads, t, d = query.shape
+    return query.new_zeros(b, t, heads, d)
+
+
+def _zero_attention(
+    module: torch.nn.Module, query: torch.Tensor, *_: Any, **__: Any
+) -> tuple[torch.Tensor, None]:
+    return _zero_output(query), None
+
+
+def register_profiling() -> str:
+    """Register (idempotent) and return ``PROFILE_NAME``: an attention that outputs zeros and
+    builds no mask, for measuring the activation peak of everything but attention (the paged
+    kernels never hold a [T, T] score matrix). Works for every architecture, including those
+    transformers runs only with eager attention (Gemma 2)."""
+    AttentionInterface.register(PROFILE_NAME, _zero_attention)
+    AttentionMaskInterface.register(PROFILE_NAME, _no_mask)
+    return PROFILE_NAME
+
+
 def inspect_layers(
     model: PreTrainedModel, num_kv_heads: int, head_dim: int
 ) -> list[LayerAttention]:
@@ -175,8 +198,7 @@ def inspect_layers(
                 float(cap) if cap is not None else None,
                 float(scaling) if scaling is not None else None,
             )
-        b, _, t, _ = query.shape
-        return query.new_zeros(b, t, query.shape[1], query.shape[3]), None
+        return _zero_output(query), None
 
     AttentionInterface.register(_PROBE_NAME, record)
     AttentionMaskInterface.register(_PROBE_NAME, _no_mask)

@@ -207,12 +207,14 @@ def profile_peak_memory(
     """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens that
     computes ``num_logit_rows`` rows of logits (one per sequence that may sample in a step).
 
-    Runs with transformers' own SDPA attention: the paged cache does not exist yet, and the
-    activation peak of the MLP and logits dominates the attention's."""
+    The paged cache does not exist yet, so attention is replaced by one that outputs zeros
+    (``attention.register_profiling``): the activation peak of the MLP and logits dominates, and
+    the paged kernels hold no [T, T] scores. (SDPA would refuse Gemma 2; eager would count a
+    [heads, T, T] matrix the engine never builds.)"""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     impl = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attention.register_profiling())
     try:
         with torch.inference_mode():
             ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)

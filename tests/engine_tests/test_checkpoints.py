@@ -190,3 +190,22 @@ def test_rope_that_rescales_with_the_batch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="original_max_position_embeddings=64"):
         LLM(str(path), **SMALL)
     assert LLM(str(path), num_blocks=16, max_model_len=64, device="cpu").engine.max_model_len == 64
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mixtral", "phi3"])
+def test_profiling_attention_runs_every_architecture(
+    arch: str, model_dirs: dict[str, Path]
+) -> None:
+    """The pool sizing forward (``profile_peak_memory`` on CUDA) swaps attention for one that
+    outputs zeros: it must run where transformers refuses SDPA (Gemma 2) and leave the model's
+    own implementation in place afterwards."""
+    from quire_engine.attention import register_profiling
+
+    net = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    impl = net.config._attn_implementation
+    net.set_attn_implementation(register_profiling())
+    with torch.inference_mode():
+        out = net(input_ids=torch.zeros((1, 40), dtype=torch.long), use_cache=False)
+    assert out.logits.shape == (1, 40, 320)
+    net.set_attn_implementation(impl)
+    assert net.config._attn_implementation == impl

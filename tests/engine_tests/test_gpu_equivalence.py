@@ -49,6 +49,17 @@ def test_cuda_float32_token_exact(arch: str, model_dirs: dict[str, Path]) -> Non
     assert llm.kv_cache_stats().used == 0
 
 
+def test_cuda_pool_sized_by_profiling_an_eager_only_model(model_dirs: dict[str, Path]) -> None:
+    """No num_blocks: the pool is sized by a profiling forward, which must run for Gemma 2
+    (transformers refuses SDPA for it) and leave a token-exact engine."""
+    path = str(model_dirs["gemma2"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    result = llm.generate([prompts()[2]], params)[0]
+    assert result.outputs[0].token_ids == greedy_reference(model, prompts()[2], MAX_TOKENS).tokens
+
+
 def test_cuda_bfloat16_logits_on_a_134m_model(tmp_path: Path) -> None:
     config = LlamaConfig(
         vocab_size=32000,
