@@ -22,6 +22,7 @@ import torch
 from quire_engine import beam_search, model_loader
 from quire_engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from quire_engine.detokenizer import Detokenizer, find_stop
+from quire_engine.kv_cache_manager import max_blocks_held
 from quire_engine.model_runner import CacheShape, ModelRunner, profile_peak_memory, size_pool
 from quire_engine.outputs import CompletionOutput, RequestOutput
 from quire_engine.sampler import SampleRow, sample
@@ -89,6 +90,7 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             profile_peak_bytes=peak,
             min_tokens=max_len,
+            min_blocks=max_blocks_held(max_len, batched, config.block_size, loaded.sliding_window),
         )
         num_cpu_blocks = 0
         if config.preemption_mode is PreemptionMode.SWAP:

@@ -99,6 +99,21 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) ->
     return h.digest()
 
 
+def max_blocks_held(
+    num_tokens: int, max_step_tokens: int, block_size: int, sliding_window: int | None
+) -> int:
+    """The most device blocks one sequence of up to ``num_tokens`` tokens holds at once when
+    each step computes at most ``max_step_tokens`` of its tokens. Without a window: all of them.
+    With one: before a step of ``n`` tokens at position ``c`` the table holds the blocks of
+    positions ``c - window + 1 .. c - 1`` (the rest was released after earlier steps, and prefix
+    hits before the window are never taken); the step adds those of ``c .. c + n - 1``."""
+    full = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return full
+    span = min(max_step_tokens, num_tokens) + sliding_window - 1
+    return min(full, -(-span // block_size) + 1)
+
+
 class KVCacheManager:
     def __init__(self, config: CacheConfig) -> None:
         self.block_size = config.block_size
@@ -213,16 +228,22 @@ class KVCacheManager:
             and start // bs < num_held
             and table.blocks[start // bs].ref_count > 1
         )
-        revived = sum(1 for b in computed if b.ref_count == 0)
+        # Hits wholly before the window of the first new token are not taken at all.
+        dead = self._num_dead(start) if computed else 0
+        revived = sum(1 for b in computed[dead:] if b.ref_count == 0)
         if max(needed, 0) + cow + revived > self.pool.num_free:
             return None
 
         if table is None:
             table = self._tables[seq.seq_id] = _Table(bs)
         if computed:
-            for block in computed:
-                self.pool.touch(block)
-                table.append(block)
+            for i, block in enumerate(computed):
+                if i < dead:
+                    table.append(RELEASED)
+                    table.num_released += 1
+                else:
+                    self.pool.touch(block)
+                    table.append(block)
             seq.num_computed_tokens = start
             table.set_cached(len(computed))
         if cow:
@@ -251,16 +272,25 @@ class KVCacheManager:
                 self.pool.cache_block(table.blocks[i], hashes[i])
         table.set_cached(num_full)
 
+    def _num_dead(self, position: int) -> int:
+        """Leading blocks no query at ``position`` or later can see (it sees ``> p - window``)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """See :func:`max_blocks_held`."""
+        return max_blocks_held(num_tokens, max_step_tokens, self.block_size, self.sliding_window)
+
     def release_out_of_window(self, seq: Sequence) -> int:
         """Drop the sequence's leading blocks that lie wholly before the window of its next
         query (position ``num_computed_tokens``, which sees positions ``> p - window``); returns
         how many were released. No-op without a sliding window. Call it after the sequence's
         progress advances: positions only grow, so a released block is never needed again."""
-        window = self.sliding_window
         table = self._tables.get(seq.seq_id)
-        if window is None or table is None:
+        if self.sliding_window is None or table is None:
             return 0
-        num = max(0, seq.num_computed_tokens - window + 1) // self.block_size
+        num = self._num_dead(seq.num_computed_tokens)
         if num <= table.num_released:
             return 0
         dropped = table.release_leading(min(num, len(table.blocks)))

@@ -168,9 +168,11 @@ def size_pool(
     gpu_memory_utilization: float,
     profile_peak_bytes: int | None,
     min_tokens: int,
+    min_blocks: int | None = None,
 ) -> int:
     """Number of device blocks; ``ValueError`` naming the numbers when not even one sequence of
-    ``min_tokens`` (max_model_len) fits."""
+    ``min_tokens`` (max_model_len) fits: ``min_blocks`` blocks (default: all its tokens' worth;
+    fewer with a sliding window, whose sequences hold only the window's blocks)."""
     per_block = shape.bytes_per_block
     if num_blocks is not None:
         source = f"num_blocks={num_blocks}"
@@ -190,7 +192,7 @@ def size_pool(
     else:
         blocks = CPU_DEFAULT_KV_BYTES // per_block
         source = f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB"
-    needed = -(-min_tokens // shape.block_size)
+    needed = -(-min_tokens // shape.block_size) if min_blocks is None else min_blocks
     if blocks < needed:
         raise ValueError(
             f"no memory left for the KV cache: {source} gives {blocks} blocks of "

@@ -91,7 +91,7 @@ class Scheduler:
                 f"prompt has {seq.num_tokens} tokens, more than max_model_len={max_len}"
             )
         peak = min(seq.num_tokens + seq.max_tokens, max_len)
-        need = self.kv.num_blocks_for(peak)
+        need = self.kv.max_blocks_held(peak, self.config.max_num_batched_tokens)
         if need > self.cache_config.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks ({peak} tokens at block_size="

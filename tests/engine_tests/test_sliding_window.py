@@ -4,6 +4,8 @@ scheduler releasing blocks as sequences advance."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from quire_engine.config import CacheConfig, SchedulerConfig
@@ -151,3 +153,87 @@ def test_bench_allocator_window_figure() -> None:
     assert result["window_bound_blocks"] >= 17
     with pytest.raises(ValueError, match="exceed"):
         window_blocks(block_size=16, window=256, contexts=[100], chunk=64)
+
+
+def test_prefix_hits_before_the_window_are_not_taken() -> None:
+    kv = make(num_blocks=12)  # window 6, blocks of 4
+    a = Sequence("a", list(range(20)), max_tokens=4)
+    kv.allocate_slots(a, 20)
+    a.num_computed_tokens = 20  # (not released: a's tables stay whole for this test)
+    b = Sequence("b", list(range(20)), max_tokens=4)
+    hits = kv.computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1, 2, 3]  # 19 tokens may hit: 4 full blocks
+    # b continues at position 16, which sees 11..16: blocks 0 and 1 (0..7) are never read.
+    assert kv.allocate_slots(b, 4, hits) == [RELEASED.block_id] * 2 + [2, 3, 5]
+    assert b.num_computed_tokens == 16 and kv.num_held("b") == 3
+    assert kv.ref_counts("a") == [1, 1, 2, 2, 1]
+    kv.free("a")
+    kv.free("b")
+    assert kv.stats().used == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "step", "window", "expected"),
+    [
+        (100, 16, None, 25),  # full attention: every block
+        (100, 16, 8, 7),  # (16 + 8 - 1) positions span at most ceil(23 / 4) + 1 blocks
+        (100, 100, 8, 25),  # a whole-prompt step needs them all anyway
+        (10, 16, 8, 3),  # never more than the sequence's own blocks
+    ],
+)
+def test_max_blocks_held(tokens: int, step: int, window: int | None, expected: int) -> None:
+    assert make(window=window).max_blocks_held(tokens, step) == expected
+
+
+def test_scheduler_admits_contexts_longer_than_the_pool() -> None:
+    """With a window, a request whose context exceeds the whole pool runs: it never holds more
+    than the window's blocks plus one step's."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400),
+        CacheConfig(num_blocks=6, block_size=4, sliding_window=10),
+    )
+    s = Sequence("a", list(range(30)), max_tokens=300)  # 330 tokens, pool of 24 slots
+    sched.add(s)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert not out.preempted
+        sched.update(
+            out, {x.seq_id: 1 for x, smp in zip(out.seqs, out.samples, strict=True) if smp}
+        )
+    assert len(s.token_ids) == 330 and sched.kv.stats().used == 0
+    full = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400),
+        CacheConfig(num_blocks=6, block_size=4),
+    )
+    with pytest.raises(ValueError, match="needs up to 83 KV blocks"):
+        full.add(Sequence("b", list(range(30)), max_tokens=300))
+
+
+def test_engine_serves_contexts_longer_than_its_pool(model_dirs: dict[str, Path]) -> None:
+    """Mistral (window 20 on every layer) with a pool of 6 blocks of 8 (48 slots) and steps of at
+    most 16 tokens: prompts up to 64 tokens growing to 88 stay token-exact against transformers,
+    log-probabilities within 1e-4."""
+    from quire_engine import LLM, SamplingParams
+    from tests.engine_tests.test_llm_equivalence import (
+        LOGPROB_TOLERANCE,
+        MAX_TOKENS,
+        hf_reference,
+        prompts,
+    )
+
+    reference = hf_reference(str(model_dirs["mistral"]))
+    llm = LLM(
+        str(model_dirs["mistral"]), device="cpu", block_size=8, num_blocks=6, max_model_len=128,
+        max_num_batched_tokens=16, max_num_seqs=4,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    results = llm.generate(prompts(), params)
+    for ref, result in zip(reference, results, strict=True):
+        out = result.outputs[0]
+        assert out.token_ids == ref.tokens
+        assert out.logprobs is not None
+        for step, top in enumerate(out.logprobs):
+            for token, logprob in top.items():
+                assert abs(logprob - float(ref.logprobs[step, token])) <= LOGPROB_TOLERANCE
+    assert llm.engine.scheduler.kv.num_released > 0
+    assert llm.kv_cache_stats().used == 0
