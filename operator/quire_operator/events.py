@@ -43,12 +43,17 @@ def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Tra
     """What changed between two statuses, in the order a reader wants it."""
     old, new = _conditions(before), _conditions(after)
     found: list[Transition] = []
-    progressing = new.get("Progressing", {})
     generation = after.get("observedGeneration")
-    if before.get("observedGeneration") != generation and progressing.get("reason") in _APPLIED:
+    # Applied: this generation's children are in place now and were not before (a new
+    # generation, or the same one no longer blocked by a problem).
+    was_applied = old.get("Progressing", {}).get("reason") in _APPLIED
+    applied = new.get("Progressing", {}).get("reason") in _APPLIED
+    if applied and (not was_applied or before.get("observedGeneration") != generation):
         found.append(Transition(NORMAL, "Applied", f"applied generation {generation}"))
+    # Scaled: the Deployment's replicas moved (the HPA, kubectl scale, the spec); not its
+    # first appearance.
     was, now = before.get("desiredReplicas"), after.get("desiredReplicas")
-    if was is not None and now is not None and was != now:
+    if was_applied and applied and was != now:
         found.append(Transition(NORMAL, "Scaled", f"scaled from {was} to {now} replicas"))
     degraded, was_degraded = new.get("Degraded", {}), old.get("Degraded", {})
     if degraded.get("status") == "True" and (

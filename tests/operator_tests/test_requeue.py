@@ -160,10 +160,14 @@ def test_events_name_each_transition_once() -> None:
     refused = status(2, 3, Ready=READY, Progressing=("False", *blocked[1:]), Degraded=blocked)
     # Generation 2 was not applied: no Applied event, the Warning says why.
     assert transitions(scaled, refused) == [Transition("Warning", "NotOwned", blocked[2])]
+    # While blocked, a scale does not count: no Deployment of ours moved.
+    assert transitions(refused, {**refused, "desiredReplicas": 0}) == []
     assert transitions(refused, refused) == []
     recovered = status(2, 3, Ready=READY, Progressing=DONE, Degraded=FINE)
+    # The same generation, applied once the obstacle went.
     assert transitions(refused, recovered) == [
-        Transition("Normal", "Recovered", "no longer degraded (NotOwned resolved)")
+        Transition("Normal", "Applied", "applied generation 2"),
+        Transition("Normal", "Recovered", "no longer degraded (NotOwned resolved)"),
     ]
     lost = status(2, 3, Ready=("False", "NoReplicaReady", "0/3 replicas ready"),
                   Progressing=DONE, Degraded=FINE)  # fmt: skip
