@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -105,6 +106,6 @@ class EventRecorder:
             self._core.create_namespaced_event(
                 metadata["namespace"], event, _request_timeout=TIMEOUT
             )
-        except ApiException as err:
+        except (ApiException, OSError, urllib3.exceptions.HTTPError) as err:
             # The status already says it; a lost Event must not fail or repeat a reconcile.
-            logger.warning("cannot post Event %s: %s %s", transition.reason, err.status, err.reason)
+            logger.warning("cannot post Event %s: %s", transition.reason, err)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator.reconcile import Reconciler, api_message, retriable
@@ -89,8 +90,9 @@ class Requeue:
             why = f"{err.status} {api_message(err)}" if err.status else str(err.reason)
             self._schedule(key, attempts + 1, why)
             return
-        except OSError as err:  # connection refused or reset, DNS: the API server is away
-            self._schedule(key, attempts + 1, str(err))
+        except (OSError, urllib3.exceptions.HTTPError) as err:
+            # Connection refused or reset, a read timeout: the API server is away or slow.
+            self._schedule(key, attempts + 1, f"{type(err).__name__}: {err}")
             return
         if problem is not None and problem.retry:
             self._schedule(key, attempts + 1, problem.reason)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator.events import Transition, transitions
@@ -66,11 +67,18 @@ def test_backoff_doubles_up_to_the_cap() -> None:
     assert [queue.backoff(n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
 
 
-@pytest.mark.parametrize("status", [500, 503, 409, 429, None])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        *(ApiException(status=status, reason="boom") for status in (500, 503, 409, 429, None)),
+        urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused"),
+        ConnectionResetError("reset by peer"),
+    ],
+    ids=["500", "503", "409", "429", "timeout", "refused", "reset"],
+)
 def test_retriable_failures_are_scheduled_and_retried_until_they_succeed(
-    status: int | None, running: list[Requeue]
+    failure: Exception, running: list[Requeue]
 ) -> None:
-    failure = ApiException(status=status, reason="boom")
     reconciler = Scripted(failure, failure, None)
     queue = requeue(reconciler, backoff_s=0.05, max_backoff_s=0.1)
     queue.run(*KEY)  # the first attempt fails: scheduled, not raised
