@@ -305,37 +305,33 @@ def test_a_missing_secret_degrades_with_the_kubelets_words_and_no_secret_is_read
 ) -> None:
     operators.start()
     model = {"uri": "hf://org/gated-model", "hfTokenSecretRef": {"name": "hf-token"}}
-    create_isvc(cluster, namespace, {**load_example(), "spec": {"model": model}})
-    # The operator reads no Secret: the Deployment is made at once, referencing it.
-    live = wait_for(
-        "the Deployment", lambda: deployment(cluster, namespace), lambda d: d is not None
-    )
-    init = live["spec"]["template"]["spec"]["initContainers"][0]
+    spec = {"model": model, "apiKeySecretRef": {"name": "llm-key"}}
+    create_isvc(cluster, namespace, {**load_example(), "spec": spec})
+    # The operator reads no Secret (it may not): the Deployment is made at once, naming them.
+    isvc = ready(cluster, namespace)
+    assert isvc["status"]["auth"] == "APIKey"
+    pod_spec = deployment(cluster, namespace)["spec"]["template"]["spec"]
     token = {
         "name": "HF_TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
     }
-    assert token in init["env"]
+    assert token in pod_spec["initContainers"][0]["env"]
 
-    # What the kubelet writes while the Secret is missing (kwok plays a kubelet that has it).
-    (pod,) = wait_for(
-        "the engine pod",
-        lambda: (
-            cluster.core.list_namespaced_pod(
-                namespace, label_selector=meta.selector_string(NAME)
-            ).items
-        ),
-        lambda pods: len(pods) == 1,
-    )
-    message = 'secret "hf-token" not found'
+    # The kubelet's report when the engine container restarts and the Secret is gone (kwok
+    # plays a kubelet that does not check Secrets, so the test writes it as the kubelet would).
+    (pod,) = cluster.core.list_namespaced_pod(
+        namespace, label_selector=meta.selector_string(NAME)
+    ).items
+    message = 'secret "llm-key" not found'
     waiting = {"reason": "CreateContainerConfigError", "message": message}
     kubelet_status = {
         "status": {
-            "phase": "Pending",
-            "conditions": [{"type": "Ready", "status": "False"}],
-            "initContainerStatuses": [
-                {"name": "download-model", "image": init["image"], "imageID": "", "ready": False,
-                 "restartCount": 0, "state": {"waiting": waiting}},
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False"},
+                           {"type": "ContainersReady", "status": "False"}],
+            "containerStatuses": [
+                {"name": "engine", "image": pod.spec.containers[0].image, "imageID": "",
+                 "ready": False, "restartCount": 1, "state": {"waiting": waiting}},
             ],
         }
     }  # fmt: skip
@@ -346,8 +342,9 @@ def test_a_missing_secret_degrades_with_the_kubelets_words_and_no_secret_is_read
         lambda obj: condition(obj, "Degraded").get("reason") == "CreateContainerConfigError",
         timeout_s=30,
     )
-    where = f"pod {pod.metadata.name}, container download-model"
+    where = f"pod {pod.metadata.name}, container engine"
     assert condition(isvc, "Degraded")["message"] == f"{where}: {message}"
+    assert condition(isvc, "Ready")["reason"] == "NoReplicaReady"
 
 
 def test_unschedulable_replicas_degrade_with_the_schedulers_reason(
