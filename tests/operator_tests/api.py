@@ -122,3 +122,12 @@ def ready(cluster: ClusterHandle, namespace: str, generation: int = 1, name: str
 def create_example(cluster: ClusterHandle, namespace: str) -> Any:
     create_isvc(cluster, namespace, load_example())
     return ready(cluster, namespace)
+
+
+def events(cluster: ClusterHandle, namespace: str, name: str = NAME) -> list[tuple[str, str]]:
+    """(type, reason) of the operator's Events on the InferenceService, sorted (timestamps have
+    a one-second grain, so order within a second is not recorded)."""
+    found = cluster.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.kind={meta.KIND},involvedObject.name={name}"
+    ).items
+    return sorted((e.type, e.reason) for e in found if e.source.component == meta.FIELD_MANAGER)

@@ -23,6 +23,7 @@ from tests.operator_tests.api import (
     condition,
     create_isvc,
     deployment,
+    events,
     get_isvc,
     ready,
     service,
@@ -31,15 +32,6 @@ from tests.operator_tests.harness import Operators
 from tests.operator_tests.helpers import load_example
 
 pytestmark = pytest.mark.cluster
-
-
-def events(cluster: ClusterHandle, namespace: str, name: str = NAME) -> list[tuple[str, str]]:
-    """(type, reason) of the operator's Events on the InferenceService, sorted (timestamps have
-    a one-second grain, so order within a second is not recorded)."""
-    found = cluster.core.list_namespaced_event(
-        namespace, field_selector=f"involvedObject.kind={meta.KIND},involvedObject.name={name}"
-    ).items
-    return sorted((e.type, e.reason) for e in found if e.source.component == meta.FIELD_MANAGER)
 
 
 def test_a_foreign_object_is_left_alone_reported_and_waited_out(

@@ -33,6 +33,7 @@ from tests.operator_tests.api import (
     create_isvc,
     deployment,
     engine_args,
+    events,
     flag,
     get_isvc,
     hpa,
@@ -173,9 +174,11 @@ def test_hpa_owns_replicas_when_autoscaling_and_the_spec_otherwise(
         lambda status: status["replicas"] == status["readyReplicas"] == 3,
         timeout_s=60,
     )
-    # ...and having done so, it left the scaling decision alone.
+    # ...and having done so, it left the scaling decision alone, and said so once.
     live = deployment(cluster, namespace)
     assert live["spec"]["replicas"] == 3
+    scaled = [e for e in events(cluster, namespace) if e[1] == "Scaled"]
+    assert scaled == [("Normal", "Scaled")]
     assert "f:replicas" not in operator_apply_fields(live)["f:spec"]
 
     patch_spec(cluster, namespace, {"autoscaling": {"enabled": False}, "replicas": 2})
