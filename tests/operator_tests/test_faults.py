@@ -32,6 +32,7 @@ from tests.operator_tests.api import (
     create_isvc,
     deployment,
     flag,
+    get_isvc,
     hpa,
     patch_spec,
     ready,
@@ -123,6 +124,29 @@ def test_a_repair_the_api_server_refuses_is_retried_with_backoff(
     # 1 s, 2 s, 4 s, each with at most 20% jitter: every delay exceeds the one before.
     assert delays[0][1] < delays[1][1] < delays[2][1], delays
     assert "500" in process.log()  # the API server's answer is logged with the retry
+
+
+def test_the_periodic_resync_repairs_what_no_event_announces(
+    cluster: ClusterHandle, namespace: str, operators: Operators
+) -> None:
+    process = operators.start("--resync-seconds", "2")
+    isvc = create_example(cluster, namespace)
+    # A status overwritten by someone else: kopf ignores status-only changes and no child
+    # changed, so no watch event leads back to it; only the resync does.
+    bogus = {"status": {"url": "http://elsewhere", "conditions": [
+        {"type": "Ready", "status": "False", "reason": "Bogus", "message": "edited by hand"},
+    ]}}  # fmt: skip
+    cluster.custom.patch_namespaced_custom_object_status(
+        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, NAME, bogus
+    )
+    repaired = wait_for(
+        "the status rewritten by the resync",
+        lambda: get_isvc(cluster, namespace),
+        lambda obj: condition(obj, "Ready").get("reason") == "ReplicasReady",
+        timeout_s=30,
+    )
+    assert repaired["status"]["url"] == isvc["status"]["url"]
+    process.wait_for_log(r"resync: reconciling 1 InferenceService\(s\)")
 
 
 def test_an_operator_killed_between_deployment_and_hpa_converges_without_duplicates(
