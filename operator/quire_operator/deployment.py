@@ -241,7 +241,8 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     if isvc.api_key is not None:
         container["env"] = [_secret_env(API_KEY_ENV, isvc.api_key)]
     if isvc.engine.pre_stop_delay_s:
-        # The kubelet's own sleep action (GA in Kubernetes 1.34; the image needs no `sleep`).
+        # The kubelet's own sleep action (beta and on by default since Kubernetes 1.30, GA in
+        # 1.34): the image needs no `sleep` binary, unlike an exec hook.
         container["lifecycle"] = {"preStop": {"sleep": {"seconds": isvc.engine.pre_stop_delay_s}}}
     if isvc.engine.image_pull_policy is not None:
         container["imagePullPolicy"] = isvc.engine.image_pull_policy
