@@ -396,8 +396,10 @@ def test_operator_restart_mid_way_converges(
 def test_two_operators_do_not_fight(
     cluster: ClusterHandle, namespace: str, operators: Operators
 ) -> None:
-    active = operators.start("--priority", "20", name="active")
-    standby = operators.start("--priority", "10", name="standby")
+    # A resync every second, so the standby would show it if it did not honour the peering.
+    resync = ("--resync-seconds", "1")
+    active = operators.start("--priority", "20", *resync, name="active")
+    standby = operators.start("--priority", "10", *resync, name="standby")
     # Both keep-alives are in the peering object; the lower priority one stays paused (kopf
     # starts a peered operator paused and logs nothing until it resumes).
     wait_for(
@@ -415,6 +417,8 @@ def test_two_operators_do_not_fight(
     done = f"{namespace}/{NAME}: reconciled generation"
     active.wait_for_log(f"{done} 2")
     assert done not in standby.log()
+    active.wait_for_log(r"resync: reconciling 1 InferenceService")
+    assert "resync:" not in standby.log()  # its requeue thread asks the peering object too
 
     # One manager applied the Deployment, and its spec stays put: no tug of war (generation
     # moves with every spec write; the controllers' status writes do not count).
@@ -432,6 +436,7 @@ def test_two_operators_do_not_fight(
     ready(cluster, namespace, generation=3)
     assert flag(deployment(cluster, namespace), "--block-size") == "64"
     standby.wait_for_log(f"{done} 3")
+    standby.wait_for_log(r"resync: reconciling 1 InferenceService")
 
 
 # Last in the file: by now the garbage collector has long discovered the new CRD (see crds).
