@@ -69,18 +69,32 @@ class Children:
         obj: dict[str, Any] = self._api.sanitize_for_serialization(found)
         return obj
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply ``obj`` as the operator's field manager, taking its fields back."""
+    def apply(self, obj: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
+        """Server-side apply ``obj`` as the operator's field manager, taking its fields back.
+
+        ``uid``: the object must still be that one (the one read and found ours). The API
+        server refuses an apply whose metadata.uid differs from the live object's (422), so an
+        object deleted and re-made by someone else since the read is never written; that is
+        raised as a 409 Conflict, which the requeue retries (and the retry reports NotOwned).
+        """
         metadata = obj["metadata"]
-        result = self._calls[obj["kind"]].patch(
-            metadata["name"],
-            metadata["namespace"],
-            obj,
-            field_manager=meta.FIELD_MANAGER,
-            force=True,
-            _content_type=APPLY,
-            _request_timeout=TIMEOUT,
-        )
+        body = obj if uid is None else {**obj, "metadata": {**metadata, "uid": uid}}
+        try:
+            result = self._calls[obj["kind"]].patch(
+                metadata["name"],
+                metadata["namespace"],
+                body,
+                field_manager=meta.FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY,
+                _request_timeout=TIMEOUT,
+            )
+        except ApiException as err:
+            replaced = uid is not None and err.status in (409, 422) and "uid" in str(err.body)
+            if replaced:
+                reason = f"{obj['kind']} {metadata['name']} was replaced since it was read"
+                raise ApiException(status=409, reason=reason) from err
+            raise
         applied: dict[str, Any] = self._api.sanitize_for_serialization(result)
         return applied
 

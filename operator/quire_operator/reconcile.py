@@ -12,8 +12,10 @@ Ownership:
   An object of the same name without it (made by helm, by hand, left over from a deleted
   InferenceService of the same name) is never applied over, adopted or deleted: the reconcile
   applies nothing, reports ``Degraded`` with reason ``NotOwned`` naming it, and asks to be
-  retried, so it converges once that object is gone. (An object created in the moment between
-  the check and the apply would still be taken over: server-side apply has no "create only".)
+  retried, so it converges once that object is gone. An apply to an object found ours names its
+  uid, so one replaced meanwhile is refused by the API server; only an object created in the
+  moment between finding the name free and the apply would be taken over (server-side apply has
+  no "create only").
 - Children are applied with the single field manager ``meta.FIELD_MANAGER`` and ``force=True``:
   the operator is their controller, so it takes back any field it sets (see deployment.py for
   ``spec.replicas`` under an HPA). It deletes only an HPA/PDB that it owns, by uid precondition.
@@ -172,7 +174,8 @@ class Reconciler:
         for kind, child in wanted.items():
             try:
                 if child is not None:
-                    applied = self._children.apply(child)
+                    uid_now = ours[kind]["metadata"]["uid"] if kind in ours else None
+                    applied = self._children.apply(child, uid_now)
                     deployment = applied if kind == "Deployment" else deployment
                 elif kind in ours:
                     self._children.delete(kind, namespace, name, ours[kind]["metadata"]["uid"])

@@ -11,7 +11,9 @@ trigger runs its reconcile through ``Requeue.run``:
   failures does not come back as a burst), until one succeeds;
 - every ``resync_s`` every InferenceService in scope is reconciled, repairing whatever was missed.
 
-Ownership: one daemon thread (``start``/``stop``) owns the schedule (``_due``, under ``_lock``);
+Ownership: one daemon thread (``start``/``stop``) runs the schedule; ``_due`` (when each key's
+retry is due) and ``_failures`` (consecutive failures per key, reset by a success) are shared
+with the callers of ``run`` and only touched under ``_lock``;
 reconciles themselves run on that thread or on the caller's (kopf's handler threads) and are
 serialized per object by the Reconciler. ``active`` (peering, see peering.py) is asked before
 each scheduled run: a paused operator replica neither retries nor resyncs.
@@ -69,50 +71,55 @@ class Requeue:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._heap: list[tuple[float, Key]] = []
-        self._due: dict[Key, tuple[float, int]] = {}  # key -> (when, failed attempts so far)
+        self._due: dict[Key, float] = {}  # key -> when its retry is due
+        self._failures: dict[Key, int] = {}  # key -> consecutive failed attempts
         self._thread: threading.Thread | None = None
 
     def run(self, namespace: str, name: str) -> None:
         """Reconcile now; on failure, again later (see the module docstring). Raises only what
         is not worth retrying (a bug, a 4xx the reconciler did not expect)."""
         key = (namespace, name)
-        with self._lock:
-            attempts = self._due.pop(key, (0.0, 0))[1]
-        self._attempt(key, attempts)
-
-    def _attempt(self, key: Key, attempts: int) -> None:
-        namespace, name = key
         try:
             problem = self._reconciler.reconcile(namespace, name)
         except ApiException as err:
             if not retriable(err):
+                self._forget(key)
                 raise
             why = f"{err.status} {api_message(err)}" if err.status else str(err.reason)
-            self._schedule(key, attempts + 1, why)
+            self._failed(key, why)
             return
         except (OSError, urllib3.exceptions.HTTPError) as err:
             # Connection refused or reset, a read timeout: the API server is away or slow.
-            self._schedule(key, attempts + 1, f"{type(err).__name__}: {err}")
+            self._failed(key, f"{type(err).__name__}: {err}")
             return
         if problem is not None and problem.retry:
-            self._schedule(key, attempts + 1, problem.reason)
+            self._failed(key, problem.reason)
+        else:
+            self._forget(key)  # done (or needs a spec change, which is an event of its own)
+
+    def _forget(self, key: Key) -> None:
+        with self._lock:
+            self._failures.pop(key, None)
+            self._due.pop(key, None)
 
     def backoff(self, attempts: int) -> float:
         """Seconds before retry number ``attempts`` (1, 2, ...), before jitter."""
         return min(self._config.backoff_s * 2 ** (attempts - 1), self._config.max_backoff_s)
 
     def pending(self) -> dict[Key, int]:
-        """Keys waiting for a retry -> failed attempts so far (for logs and tests)."""
+        """Keys waiting for a retry -> consecutive failures so far (for logs and tests)."""
         with self._lock:
-            return {key: attempts for key, (_, attempts) in self._due.items()}
+            return {key: self._failures[key] for key in self._due}
 
-    def _schedule(self, key: Key, attempts: int, why: str) -> None:
-        delay = self.backoff(attempts) * (1 + random.uniform(0, 0.2))
-        logger.info("%s/%s: retry %d in %.1fs (%s)", *key, attempts, delay, why)
-        when = self._clock() + delay
+    def _failed(self, key: Key, why: str) -> None:
+        """Count the failure and schedule the retry (a later one replaces an earlier one)."""
         with self._lock:
-            self._due[key] = (when, attempts)
+            attempts = self._failures[key] = self._failures.get(key, 0) + 1
+            delay = self.backoff(attempts) * (1 + random.uniform(0, 0.2))
+            when = self._clock() + delay
+            self._due[key] = when
             heapq.heappush(self._heap, (when, key))
+        logger.info("%s/%s: retry %d in %.1fs (%s)", *key, attempts, delay, why)
         self._wake.set()
 
     # -- the thread ---------------------------------------------------------------------------
@@ -134,24 +141,26 @@ class Requeue:
             if now >= next_resync:
                 next_resync = now + self._config.resync_s
                 self._guarded(self._resync)
-            for key, attempts in self._pop_due(now):
-                self._guarded(functools.partial(self._attempt, key, attempts))
+            for key in self._pop_due(now):
+                if self._active():
+                    self._guarded(functools.partial(self.run, *key))
+                else:  # the active replica owns it now
+                    self._forget(key)
             with self._lock:
                 wake_at = min([next_resync, *(when for when, _ in self._heap[:1])])
             self._wake.wait(timeout=max(0.05, wake_at - self._clock()))
             self._wake.clear()
 
-    def _pop_due(self, now: float) -> list[tuple[Key, int]]:
-        """Keys whose retry is due, with their failed attempts; removed from the schedule (an
-        attempt that fails again puts its key back)."""
+    def _pop_due(self, now: float) -> list[Key]:
+        """Keys whose retry is due, removed from the schedule (an attempt that fails again puts
+        its key back)."""
         due = []
         with self._lock:
             while self._heap and self._heap[0][0] <= now:
                 when, key = heapq.heappop(self._heap)
-                scheduled = self._due.get(key)
-                if scheduled is not None and scheduled[0] == when:  # else superseded
+                if self._due.get(key) == when:  # else superseded or forgotten
                     del self._due[key]
-                    due.append((key, scheduled[1]))
+                    due.append(key)
         return due
 
     def _resync(self) -> None:
