@@ -3,6 +3,7 @@
 - An object of a child's name that the InferenceService does not control is never applied over
   or adopted: Degraded=NotOwned names it, one Warning Event says so however often the requeue
   retries, and the service converges by itself once the object is gone.
+- An apply names the uid of the object it found ours, so a replacement is never written.
 - Engine pods are admitted in a namespace that enforces the "restricted" Pod Security Standard
   (the API server's PodSecurity admission, on by default), with a read-only root, no service
   account token, the API key from a Secret and the drain wiring as the API server stores it.
@@ -17,6 +18,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.children import Children
+from quire_operator.objects import build_service
+from quire_operator.spec import parse
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.operator_tests.api import (
     NAME,
@@ -29,7 +33,7 @@ from tests.operator_tests.api import (
     service,
 )
 from tests.operator_tests.harness import Operators
-from tests.operator_tests.helpers import load_example
+from tests.operator_tests.helpers import inference_service, load_example
 
 pytestmark = pytest.mark.cluster
 
@@ -165,3 +169,25 @@ def test_engine_pods_meet_the_restricted_pod_security_standard(
     key_ref = {"secretKeyRef": {"name": "llm-key", "key": "api-key"}}
     assert engine["env"] == [{"name": "QUIRE_API_KEY", "valueFrom": key_ref}]
     assert not [a for a in engine["args"] if "api-key" in a]
+
+
+def test_an_apply_naming_a_uid_never_writes_a_replacement(
+    cluster: ClusterHandle, namespace: str
+) -> None:
+    # The reconciler found the Service ours (uid A); before its apply, someone deleted it and
+    # made their own (uid B). The apply names A, so the API server refuses it.
+    isvc = parse(inference_service(load_example()["spec"], name=NAME, namespace=namespace))
+    theirs = {"metadata": {"name": NAME}, "spec": {"ports": [{"port": 80}]}}
+    replacement = cluster.json(cluster.core.create_namespaced_service(namespace, theirs))
+    children = Children(cluster.api)
+    with pytest.raises(ApiException) as refused:
+        children.apply(build_service(isvc), uid="0b5c8a5e-0000-4000-8000-000000000000")
+    assert refused.value.status == 409  # retried by the requeue, which then reports NotOwned
+    after = service(cluster, namespace)
+    assert after["metadata"]["resourceVersion"] == replacement["metadata"]["resourceVersion"]
+    # Gone meanwhile: not re-created either.
+    cluster.core.delete_namespaced_service(NAME, namespace)
+    with pytest.raises(ApiException) as refused:
+        children.apply(build_service(isvc), uid=replacement["metadata"]["uid"])
+    assert refused.value.status == 409
+    assert service(cluster, namespace) is None
