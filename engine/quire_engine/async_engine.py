@@ -44,8 +44,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -77,6 +77,8 @@ class ModelInfo:
     model_name: str
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase
+    # generation_config.json's sampling values, for request fields left unset.
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -368,15 +370,21 @@ class AsyncEngine:
     def _main(self) -> None:
         engine: LLMEngine | None = None
         recorder: StatsRecorder | None = None
+        started = time.monotonic()
         try:
             engine = self._factory(self.config)
             _warm_up(engine)
             recorder = StatsRecorder(self.metrics, engine.scheduler)
             tokenizer = copy.deepcopy(engine.tokenizer)
-            self.info = ModelInfo(engine.model_name, engine.max_model_len, tokenizer)
+            self.info = ModelInfo(
+                engine.model_name, engine.max_model_len, tokenizer, engine.sampling_defaults
+            )
             self.state = EngineState.READY
             logger.info(
-                "engine ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len
+                "engine ready in %.1f s (load + warm-up): model %s, max_model_len %d",
+                time.monotonic() - started,
+                engine.model_name,
+                engine.max_model_len,
             )
             self._serve(engine, recorder)
             if not self._hung:  # a hung engine stays dead even if its step came back

@@ -11,6 +11,7 @@ retired as a finished hypothesis. Final beams are sorted by cumulative log-proba
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,15 +61,16 @@ def rank(beams: Seq[tuple[str, float, torch.Tensor]], width: int) -> list[tuple[
     return [(score, sid, tok) for score, _, tok, sid in cands]
 
 
-def advance(table: RequestTable, req: Request, state: BeamState, eos: int | None) -> None:
+def advance(table: RequestTable, req: Request, state: BeamState, eos: Collection[int]) -> None:
     """Choose the next beams and apply the choice through the request table: forks first (they
-    need their parent alive), then appends, then pruning of beams nobody continues."""
+    need their parent alive), then appends, then pruning of beams nobody continues. ``eos``:
+    the model's end-of-sequence token ids."""
     beams = [(sid, state.cumulative.get(sid, 0.0), state.pending[sid]) for sid in state.active]
     chosen: list[tuple[float, str, int]] = []
     for position, (score, sid, tok) in enumerate(rank(beams, state.width)):
         if len(chosen) == state.width:
             break
-        if tok == eos and not state.ignore_eos:
+        if tok in eos and not state.ignore_eos:
             if position < state.width:
                 seq = table.owner(sid)[1].seq
                 state.finished.append(([*seq.output_token_ids, tok], score, "stop"))

@@ -45,13 +45,16 @@ class CacheConfig:
     """Shape of the paged KV pool.
 
     ``num_blocks`` is the GPU (or CPU-device) pool; ``num_cpu_blocks`` is the swap pool used by
-    ``PreemptionMode.SWAP`` (0 disables swapping).
+    ``PreemptionMode.SWAP`` (0 disables swapping). ``sliding_window``: the window every layer of
+    the model obeys (None when any layer attends to the whole context); blocks wholly before it
+    are released while a sequence runs.
     """
 
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_cpu_blocks: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         block_size = _check_int("block_size", self.block_size)
@@ -63,6 +66,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1; got {self.num_blocks}")
         if _check_int("num_cpu_blocks", self.num_cpu_blocks) < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0; got {self.num_cpu_blocks}")
+        if (
+            self.sliding_window is not None
+            and _check_int("sliding_window", self.sliding_window) < 1
+        ):
+            raise ValueError(f"sliding_window must be None or >= 1; got {self.sliding_window}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,8 @@ class EngineConfig:
     ``None`` means "derive it": ``max_model_len`` from the model, ``max_num_batched_tokens`` from
     ``max_model_len``, the pool size from ``num_blocks``, else ``kv_cache_memory``, else device
     memory. ``swap_space`` (GiB) sizes the CPU pool used only by ``preemption_mode="swap"``.
+    ``chat_template`` (a Jinja template or the path of a file holding one) replaces the
+    tokenizer's own; a model with neither refuses chat requests.
     """
 
     model: str | None = None
@@ -105,6 +115,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))

@@ -32,6 +32,7 @@ import torch
 from quire_engine import beam_search, model_loader
 from quire_engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from quire_engine.detokenizer import find_stop
+from quire_engine.kv_cache_manager import max_blocks_held
 from quire_engine.model_runner import CacheShape, ModelRunner, profile_peak_memory, size_pool
 from quire_engine.outputs import CompletionOutput, RequestOutput
 from quire_engine.request_table import Request, RequestTable, Sample
@@ -55,22 +56,17 @@ class LLMEngine:
         self.config = config
         self.device = model_loader.resolve_device(config.device)
         self.dtype = model_loader.resolve_dtype(config.dtype, self.device)
-        loaded = model_loader.load(config.model, self.device, self.dtype)
+        loaded = model_loader.load(config.model, self.device, self.dtype, config.chat_template)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        # The tokenizer's EOS and generation_config.json's eos_token_id list.
+        self.eos_token_ids: frozenset[int] = frozenset(loaded.eos_token_ids)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.sampling_defaults = loaded.sampling_defaults
         self.vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009
         max_len = config.max_model_len or loaded.max_position_embeddings
         if max_len > loaded.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                f"{loaded.max_position_embeddings}"
-            )
-        if loaded.sliding_window is not None and max_len > loaded.sliding_window:
-            raise ValueError(
-                f"the model uses sliding-window attention (window {loaded.sliding_window}) and "
-                f"Quire implements full attention: set max_model_len <= {loaded.sliding_window}"
-            )
+            raise ValueError(f"max_model_len={max_len} exceeds {loaded.context_limit}")
         self.max_model_len = max_len
         batched = config.max_num_batched_tokens or max(2048, min(max_len, 8192))
         shape = CacheShape.of(loaded.model, config.block_size, self.dtype)
@@ -86,6 +82,7 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             profile_peak_bytes=peak,
             min_tokens=max_len,
+            min_blocks=max_blocks_held(max_len, batched, config.block_size, loaded.sliding_window),
         )
         num_cpu_blocks = 0
         if config.preemption_mode is PreemptionMode.SWAP:
@@ -93,7 +90,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, batched, max_len, config.preemption_mode),
             CacheConfig(
-                num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                num_cpu_blocks,
+                sliding_window=loaded.sliding_window,
             ),
         )
         self.runner = ModelRunner(
@@ -326,7 +327,7 @@ class LLMEngine:
         new_text = smp.detok.add(token)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if token == self.eos_token_id and not params.ignore_eos:
+        if token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token
@@ -350,7 +351,7 @@ class LLMEngine:
         state.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1).cpu()
         if not state.ready:
             return
-        beam_search.advance(self.requests, req, state, self.eos_token_id)
+        beam_search.advance(self.requests, req, state, self.eos_token_ids)
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.finished

@@ -16,6 +16,13 @@ Ownership rules:
 * Swapped sequences hold blocks of the CPU pool only; ``swap_out``/``swap_in`` return (src, dst)
   moves that the runner performs before the forward pass (swap-outs first, then swap-ins, then CoW
   copies: a block freed by a swap-out may be reused in the same step).
+* Sliding window (``CacheConfig.sliding_window``, set only when *every* layer of the model has
+  one): ``release_out_of_window`` drops the reference on each leading block that no future query
+  of the sequence can see, and puts ``RELEASED`` in its place. Tables stay positional (entry
+  ``i`` covers positions ``i * block_size ..``); the attention reads only positions inside the
+  window, so the placeholder's id is never read unmasked. A released block keeps its prefix hash
+  in the free queue like any freed block. With a model that mixes local and global layers
+  (Gemma 2/3) nothing is released: the global layers read every position.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from quire_engine.block_pool import Block, BlockPool, PoolStats
 from quire_engine.config import CacheConfig
 from quire_engine.sequence import Sequence
 
+# The table entry of a released leading block: not a pool block (no pool ever counts or frees it).
+# Its id 0 is a valid index for the attention kernels, which never read it unmasked.
+RELEASED = Block(0)
+
 
 class _Table:
     """One sequence's device blocks (``blocks``) and their ids (``ids``, shared read-only with
@@ -36,7 +47,10 @@ class _Table:
     block) and ``forked`` (whether any block may be shared with a sibling) are kept so that the
     decode fast path of ``allocate_slots`` is three comparisons."""
 
-    __slots__ = ("block_size", "blocks", "capacity", "forked", "ids", "num_cached", "publish_at")
+    __slots__ = (
+        "block_size", "blocks", "capacity", "forked", "ids", "num_cached", "num_released",
+        "publish_at",
+    )  # fmt: skip
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -44,7 +58,22 @@ class _Table:
         self.ids: list[int] = []
         self.capacity = 0
         self.forked = False
+        self.num_released = 0  # leading entries that are RELEASED
         self.set_cached(0)
+
+    def live(self) -> list[Block]:
+        """The blocks this table holds a reference on, in table order."""
+        return self.blocks[self.num_released :]
+
+    def release_leading(self, num: int) -> list[Block]:
+        """Replace entries ``num_released .. num - 1`` by ``RELEASED``; returns the blocks
+        whose reference the caller must drop."""
+        dropped = self.blocks[self.num_released : num]
+        for i in range(self.num_released, num):
+            self.blocks[i] = RELEASED
+            self.ids[i] = RELEASED.block_id
+        self.num_released = max(self.num_released, num)
+        return dropped
 
     def append(self, block: Block) -> None:
         self.blocks.append(block)
@@ -70,9 +99,25 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) ->
     return h.digest()
 
 
+def max_blocks_held(
+    num_tokens: int, max_step_tokens: int, block_size: int, sliding_window: int | None
+) -> int:
+    """The most device blocks one sequence of up to ``num_tokens`` tokens holds at once when
+    each step computes at most ``max_step_tokens`` of its tokens. Without a window: all of them.
+    With one: before a step of ``n`` tokens at position ``c`` the table holds the blocks of
+    positions ``c - window + 1 .. c - 1`` (the rest was released after earlier steps, and prefix
+    hits before the window are never taken); the step adds those of ``c .. c + n - 1``."""
+    full = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return full
+    span = min(max_step_tokens, num_tokens) + sliding_window - 1
+    return min(full, -(-span // block_size) + 1)
+
+
 class KVCacheManager:
     def __init__(self, config: CacheConfig) -> None:
         self.block_size = config.block_size
+        self.sliding_window = config.sliding_window
         self.pool = BlockPool(config.num_blocks, enable_prefix_caching=config.enable_prefix_caching)
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
         self._tables: dict[str, _Table] = {}
@@ -81,6 +126,7 @@ class KVCacheManager:
         # Counters in tokens, for quire_prefix_cache_queries_total / _hits_total.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.num_released = 0  # blocks released out of the window, over the manager's life
 
     # ---- queries -------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -92,10 +138,17 @@ class KVCacheManager:
         return table.ids if table is not None else []
 
     def ref_counts(self, seq_id: str) -> list[int]:
+        """Per table entry (0 for a released one)."""
         table = self._tables.get(seq_id)
         return [b.ref_count for b in table.blocks] if table is not None else []
 
+    def num_held(self, seq_id: str) -> int:
+        """Device blocks the sequence holds a reference on (released ones excluded)."""
+        table = self._tables.get(seq_id)
+        return len(table.blocks) - table.num_released if table is not None else 0
+
     def cpu_block_ids(self, seq_id: str) -> list[int]:
+        """Positional, like a device table: a released entry shows ``RELEASED``'s id."""
         return [b.block_id for b in self._cpu_tables.get(seq_id, [])]
 
     def stats(self) -> PoolStats:
@@ -175,16 +228,22 @@ class KVCacheManager:
             and start // bs < num_held
             and table.blocks[start // bs].ref_count > 1
         )
-        revived = sum(1 for b in computed if b.ref_count == 0)
+        # Hits wholly before the window of the first new token are not taken at all.
+        dead = self._num_dead(start) if computed else 0
+        revived = sum(1 for b in computed[dead:] if b.ref_count == 0)
         if max(needed, 0) + cow + revived > self.pool.num_free:
             return None
 
         if table is None:
             table = self._tables[seq.seq_id] = _Table(bs)
         if computed:
-            for block in computed:
-                self.pool.touch(block)
-                table.append(block)
+            for i, block in enumerate(computed):
+                if i < dead:
+                    table.append(RELEASED)
+                    table.num_released += 1
+                else:
+                    self.pool.touch(block)
+                    table.append(block)
             seq.num_computed_tokens = start
             table.set_cached(len(computed))
         if cow:
@@ -209,9 +268,35 @@ class KVCacheManager:
         """Offer the sequence's first ``num_full`` (full) blocks to the prefix cache."""
         if self.pool.enable_prefix_caching:
             hashes = self.block_hashes(seq, num_full)
-            for i in range(table.num_cached, num_full):
+            for i in range(max(table.num_cached, table.num_released), num_full):
                 self.pool.cache_block(table.blocks[i], hashes[i])
         table.set_cached(num_full)
+
+    def _num_dead(self, position: int) -> int:
+        """Leading blocks no query at ``position`` or later can see (it sees ``> p - window``)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """See :func:`max_blocks_held`."""
+        return max_blocks_held(num_tokens, max_step_tokens, self.block_size, self.sliding_window)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Drop the sequence's leading blocks that lie wholly before the window of its next
+        query (position ``num_computed_tokens``, which sees positions ``> p - window``); returns
+        how many were released. No-op without a sliding window. Call it after the sequence's
+        progress advances: positions only grow, so a released block is never needed again."""
+        table = self._tables.get(seq.seq_id)
+        if self.sliding_window is None or table is None:
+            return 0
+        num = self._num_dead(seq.num_computed_tokens)
+        if num <= table.num_released:
+            return 0
+        dropped = table.release_leading(min(num, len(table.blocks)))
+        self.pool.free(reversed(dropped))
+        self.num_released += len(dropped)
+        return len(dropped)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (ref + 1 each); writes diverge by CoW."""
@@ -222,8 +307,10 @@ class KVCacheManager:
             raise ValueError(f"sequence {parent.seq_id!r} holds no device blocks to fork")
         table = self._tables[child.seq_id] = _Table(self.block_size)
         for block in src.blocks:
-            self.pool.touch(block)
+            if block is not RELEASED:
+                self.pool.touch(block)
             table.append(block)
+        table.num_released = src.num_released
         table.set_cached(src.num_cached)
         table.forked = src.forked = True  # writes into a shared tail block must copy first
 
@@ -231,31 +318,36 @@ class KVCacheManager:
         """Release everything the sequence holds, in any state (finish, abort, preemption)."""
         table = self._tables.pop(seq_id, None)
         if table is not None:
-            self.pool.free(reversed(table.blocks))
+            self.pool.free(reversed(table.live()))
         cpu = self._cpu_tables.pop(seq_id, None)
         if cpu is not None:
-            self.cpu_pool.free(reversed(cpu))
+            self.cpu_pool.free(reversed([b for b in cpu if b is not RELEASED]))
 
     # ---- swap ----------------------------------------------------------------------------
     def can_swap_out(self, seq_id: str) -> bool:
         table = self._tables.get(seq_id)
-        return table is not None and len(table.blocks) <= self.cpu_pool.num_free
+        return table is not None and len(table.live()) <= self.cpu_pool.num_free
 
     def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
-        """Move the sequence's blocks to the CPU pool; returns (device, cpu) copies."""
+        """Move the sequence's blocks to the CPU pool; returns (device, cpu) copies. Released
+        entries stay released (positional) in the CPU table and move nothing."""
         if not self.can_swap_out(seq_id):
             raise ValueError(f"cannot swap out {seq_id!r}: not enough free CPU blocks")
         table = self._tables.pop(seq_id)
-        cpu = [self.cpu_pool.allocate() for _ in table.blocks]
-        self._cpu_tables[seq_id] = cpu
+        live = table.live()
+        cpu = [self.cpu_pool.allocate() for _ in live]
+        self._cpu_tables[seq_id] = [RELEASED] * table.num_released + cpu
         # Shared blocks stay on the device for their other holders; ours become free (and stay
         # cached if full, so a later swap-in or request may still hit them).
-        self.pool.free(reversed(table.blocks))
-        return [(d.block_id, c.block_id) for d, c in zip(table.blocks, cpu, strict=True)]
+        self.pool.free(reversed(live))
+        return [(d.block_id, c.block_id) for d, c in zip(live, cpu, strict=True)]
 
     def can_swap_in(self, seq_id: str, extra_blocks: int = 0) -> bool:
         cpu = self._cpu_tables.get(seq_id)
-        return cpu is not None and len(cpu) + extra_blocks <= self.pool.num_free
+        if cpu is None:
+            return False
+        held = sum(1 for b in cpu if b is not RELEASED)
+        return held + extra_blocks <= self.pool.num_free
 
     def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
         """Bring a swapped sequence back into fresh device blocks; returns (cpu, device) copies."""
@@ -263,10 +355,16 @@ class KVCacheManager:
             raise ValueError(f"cannot swap in {seq_id!r}: not enough free device blocks")
         cpu = self._cpu_tables.pop(seq_id)
         table = self._tables[seq_id] = _Table(self.block_size)
-        for _ in cpu:
-            table.append(self.pool.allocate())
-        self.cpu_pool.free(reversed(cpu))
-        return [(c.block_id, d.block_id) for c, d in zip(cpu, table.blocks, strict=True)]
+        moves = []
+        for c in cpu:
+            if c is RELEASED:
+                table.append(RELEASED)
+                table.num_released += 1
+            else:
+                table.append(self.pool.allocate())
+                moves.append((c.block_id, table.blocks[-1].block_id))
+        self.cpu_pool.free(reversed([b for b in cpu if b is not RELEASED]))
+        return moves
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -46,13 +46,15 @@ class LLM:
         """One finished ``RequestOutput`` per prompt, in prompt order.
 
         A prompt is a string or a list of token ids. ``params`` is one ``SamplingParams`` for all
-        or one per prompt. Invalid input raises ``ValueError`` before anything is queued. A
-        request that fails inside the engine (an internal error in its own sampling, say) comes
-        back finished with ``error`` set and ``finish_reason`` "abort"; the others are unharmed.
-        A failure of the whole batch (the model forward) raises, and nothing stays queued."""
+        or one per prompt; None takes the checkpoint's ``generation_config.json`` sampling values
+        (temperature, top_p, top_k, min_p), as vLLM does. Invalid input raises ``ValueError``
+        before anything is queued. A request that fails inside the engine (an internal error in
+        its own sampling, say) comes back finished with ``error`` set and ``finish_reason``
+        "abort"; the others are unharmed. A failure of the whole batch (the model forward)
+        raises, and nothing stays queued."""
         prompt_list = _as_prompt_list(prompts)
         if params is None:
-            params = SamplingParams()
+            params = SamplingParams(**self.engine.sampling_defaults)
         param_list = (
             [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         )

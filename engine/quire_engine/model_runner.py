@@ -168,9 +168,11 @@ def size_pool(
     gpu_memory_utilization: float,
     profile_peak_bytes: int | None,
     min_tokens: int,
+    min_blocks: int | None = None,
 ) -> int:
     """Number of device blocks; ``ValueError`` naming the numbers when not even one sequence of
-    ``min_tokens`` (max_model_len) fits."""
+    ``min_tokens`` (max_model_len) fits: ``min_blocks`` blocks (default: all its tokens' worth;
+    fewer with a sliding window, whose sequences hold only the window's blocks)."""
     per_block = shape.bytes_per_block
     if num_blocks is not None:
         source = f"num_blocks={num_blocks}"
@@ -190,7 +192,7 @@ def size_pool(
     else:
         blocks = CPU_DEFAULT_KV_BYTES // per_block
         source = f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB"
-    needed = -(-min_tokens // shape.block_size)
+    needed = -(-min_tokens // shape.block_size) if min_blocks is None else min_blocks
     if blocks < needed:
         raise ValueError(
             f"no memory left for the KV cache: {source} gives {blocks} blocks of "
@@ -207,12 +209,14 @@ def profile_peak_memory(
     """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens that
     computes ``num_logit_rows`` rows of logits (one per sequence that may sample in a step).
 
-    Runs with transformers' own SDPA attention: the paged cache does not exist yet, and the
-    activation peak of the MLP and logits dominates the attention's."""
+    The paged cache does not exist yet, so attention is replaced by one that outputs zeros
+    (``attention.register_profiling``): the activation peak of the MLP and logits dominates, and
+    the paged kernels hold no [T, T] scores. (SDPA would refuse Gemma 2; eager would count a
+    [heads, T, T] matrix the engine never builds.)"""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     impl = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attention.register_profiling())
     try:
         with torch.inference_mode():
             ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)

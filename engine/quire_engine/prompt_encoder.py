@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from quire_engine.protocol import OpenAIError
-from quire_engine.tiny_model import CHAT_TEMPLATE
 
 
 class PromptEncoder:
@@ -54,7 +53,6 @@ class PromptEncoder:
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
-                chat_template=None if tokenizer.chat_template else CHAT_TEMPLATE,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )

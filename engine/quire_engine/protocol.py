@@ -14,6 +14,7 @@ and over HTTP).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -97,19 +98,27 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """``defaults`` (the checkpoint's generation_config values) fill temperature, top_p,
+        top_k and min_p where the request leaves them unset, as vLLM does."""
+        defaults = defaults or {}
         if self.model_extra:
             logger.warning("ignored request fields: %s", ", ".join(sorted(self.model_extra)))
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         # vLLM spells "no top-k limit" as -1 (and 0); SamplingParams as None.
-        top_k = None if self.top_k in (None, 0, -1) else self.top_k
+        top_k = defaults.get("top_k") if self.top_k is None else self.top_k
+        top_k = None if top_k in (0, -1) else top_k
         kwargs: Json = {
             "n": self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": defaults.get("temperature", 1.0)
+            if self.temperature is None
+            else self.temperature,
+            "top_p": defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
             "top_k": top_k,
-            "min_p": self.min_p or 0.0,
+            "min_p": defaults.get("min_p", 0.0) if self.min_p is None else self.min_p,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "max_tokens": max_tokens,

@@ -91,7 +91,7 @@ class Scheduler:
                 f"prompt has {seq.num_tokens} tokens, more than max_model_len={max_len}"
             )
         peak = min(seq.num_tokens + seq.max_tokens, max_len)
-        need = self.kv.num_blocks_for(peak)
+        need = self.kv.max_blocks_held(peak, self.config.max_num_batched_tokens)
         if need > self.cache_config.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks ({peak} tokens at block_size="
@@ -273,6 +273,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += n
+            if self.kv.sliding_window is not None:  # blocks no future query can see
+                self.kv.release_out_of_window(seq)
             token = sampled.get(seq.seq_id)
             if token is not None and self.append(seq, token):
                 finished.append(seq)

@@ -139,6 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag("--swap-space", "CPU swap pool for --preemption-mode swap (GiB)", type=float, default=4.0)
     flag("--seed", "seed of unseeded sampling", type=int, default=0)
+    flag(
+        "--chat-template",
+        "chat template (Jinja text, or a file holding it) replacing the tokenizer's own",
+        default=None,
+    )
     flag("--api-key", "require 'Authorization: Bearer <key>' on /v1", default=None)
     flag(
         "--max-waiting",
@@ -193,6 +198,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,
+        chat_template=args.chat_template,
     )
     names = tuple(args.served_model_name or [args.model])
     return ServerSettings(

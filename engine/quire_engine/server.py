@@ -207,7 +207,9 @@ class _Api:
         prompts = [await encoder.prompt(text) for text in texts]
         params = [
             body.sampling_params(
-                _max_tokens(info, len(p), body.max_tokens, "prompt"), body.logprobs
+                _max_tokens(info, len(p), body.max_tokens, "prompt"),
+                body.logprobs,
+                info.sampling_defaults,
             )
             for p in prompts
         ]
@@ -219,9 +221,17 @@ class _Api:
         conversation = body.conversation()
         num_logprobs = body.num_logprobs
         info = self._admit(body, 1)
+        if not info.tokenizer.chat_template:
+            # No fallback: another model's template would silently produce the wrong format.
+            raise OpenAIError(
+                400,
+                "the model's tokenizer has no chat template; use /v1/completions, or start the "
+                "server with --chat-template",
+                param="messages",
+            )
         prompt = await self.encoder(info).chat(conversation, body.add_generation_prompt)
         max_tokens = _max_tokens(info, len(prompt), body.requested_max_tokens, "messages")
-        params = [body.sampling_params(max_tokens, num_logprobs)]
+        params = [body.sampling_params(max_tokens, num_logprobs, info.sampling_defaults)]
         renderer = ChatRenderer(info.tokenizer, num_logprobs or 0)
         return await self._generate(request, body, "chatcmpl", [prompt], params, renderer, arrival)
 

@@ -18,21 +18,23 @@ import argparse
 import logging
 import os
 import random
-from collections.abc import Sequence
+import socket
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import kopf
 from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
 from quire_operator.config import DEFAULT_ENGINE_IMAGE, OperatorConfig
 from quire_operator.handlers import register
-from quire_operator.reconcile import Reconciler, api_message
+from quire_operator.peering import PeeringGate, ensure_peering
+from quire_operator.reconcile import Reconciler
+from quire_operator.requeue import Requeue, RequeueConfig
 from quire_operator.settings import operator_settings
 
 logger = logging.getLogger("quire_operator")
-
-PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine image for InferenceServices that name none [env QUIRE_ENGINE_IMAGE]",
     )
     parser.add_argument("--cluster-domain", default="cluster.local", help="for status.url")
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=300.0,
+        help="reconcile every InferenceService this often, whatever the events (default 300)",
+    )
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
@@ -100,35 +108,28 @@ def require_crd(api: client.ApiClient) -> None:
         )
 
 
-def ensure_peering(api: client.ApiClient, name: str, namespaces: Sequence[str] | None) -> None:
-    """Create the peering object(s) if missing: without one, kopf runs every replica at once."""
+def _lister(
+    api: client.ApiClient, namespaces: Sequence[str] | None
+) -> Callable[[], list[tuple[str, str]]]:
+    """(namespace, name) of every InferenceService in scope, for the periodic resync."""
     custom = client.CustomObjectsApi(api)
-    kind = "ClusterKopfPeering" if namespaces is None else "KopfPeering"
-    body = {
-        "apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}",
-        "kind": kind,
-        "metadata": {"name": name},
-    }
-    for namespace in [None] if namespaces is None else namespaces:
-        try:
-            if namespace is None:
-                custom.create_cluster_custom_object(
-                    PEERING_GROUP, PEERING_VERSION, "clusterkopfpeerings", body
-                )
-            else:
-                custom.create_namespaced_custom_object(
-                    PEERING_GROUP, PEERING_VERSION, namespace, "kopfpeerings", body
-                )
-        except ApiException as err:
-            if err.status == 409:  # exists already: another replica or an earlier run made it
-                continue
-            if err.status == 404:
-                raise SystemExit(
-                    "quire-operator: kopf's peering CRDs are not installed "
-                    "(kubectl apply -f crds/kopfpeerings.kopf.dev.yaml), or pass --standalone"
-                ) from err
-            message = f"quire-operator: cannot create the peering object: {api_message(err)}"
-            raise SystemExit(message) from err
+
+    def list_keys() -> list[tuple[str, str]]:
+        lists: list[Any]
+        if namespaces is None:
+            lists = [custom.list_cluster_custom_object(meta.GROUP, meta.VERSION, meta.PLURAL)]
+        else:
+            lists = [
+                custom.list_namespaced_custom_object(meta.GROUP, meta.VERSION, ns, meta.PLURAL)
+                for ns in namespaces
+            ]
+        return [
+            (item["metadata"]["namespace"], item["metadata"]["name"])
+            for found in lists
+            for item in found["items"]
+        ]
+
+    return list_keys
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,13 +156,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.on.login(registry=registry)(kopf.login_via_client)
     settings = operator_settings()
     settings.peering.lifetime = args.peering_lifetime
-    register(registry, settings, Reconciler(api, operator_config))
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+    # kopf takes its peering identity from POD_ID; set one when it is not, so the requeue's
+    # PeeringGate knows which keep-alive in the peering object is this process's.
+    os.environ.setdefault("POD_ID", f"{socket.gethostname()}/{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    if args.standalone:
+        active: Callable[[], bool] = lambda: True  # noqa: E731
+    else:
+        gate = PeeringGate(api, args.peering, namespaces, os.environ["POD_ID"], priority)
+        active = gate.active
+    requeue = Requeue(
+        Reconciler(api, operator_config),
+        _lister(api, namespaces),
+        active,
+        RequeueConfig(resync_s=args.resync_seconds),
+    )
+    register(registry, settings, requeue.run)
     logger.info(
         "serving %s; peering %s",
         "all namespaces" if namespaces is None else ", ".join(namespaces),
         "off" if args.standalone else f"{args.peering!r} at priority {priority}",
     )
+    requeue.start()
     try:
         kopf.run(
             registry=registry,
@@ -174,5 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             liveness_endpoint=args.liveness or None,
         )
     finally:
+        requeue.stop()
         api.close()
     return 0

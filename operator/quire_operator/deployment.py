@@ -16,13 +16,21 @@ from typing import Any
 
 from quire_operator import meta
 from quire_operator.config import OperatorConfig
-from quire_operator.spec import InferenceService, ModelKind, ModelSource
+from quire_operator.spec import InferenceService, ModelKind, ModelSource, SecretKeyRef
 
 ENGINE_PORT = 8000
 PORT_NAME = "http"
 MODEL_DIR = "/models"
-# The engine image's user (Dockerfile.engine: useradd --uid 10001).
+# The engine image's user and its home (Dockerfile.engine: useradd --uid 10001).
 ENGINE_UID = 10001
+ENGINE_HOME = "/home/quire"
+# The root filesystem is read-only; these emptyDirs are all the engine may write. /tmp holds the
+# Triton kernel cache and HF_HOME (Dockerfile.engine), the home dir whatever a library caches
+# under ~/.cache. Limits turn a runaway writer into an eviction instead of a full node disk.
+SCRATCH_VOLUMES = (("tmp", "/tmp", "4Gi"), ("home", ENGINE_HOME, "1Gi"))
+# terminationGracePeriodSeconds = preStop delay + drain timeout + this, so the kubelet's SIGKILL
+# never cuts a drain that is within its timeout (process exit and log flush take a moment).
+GRACE_MARGIN_S = 5
 # Cloud GPU node pools taint GPU nodes with this key (GKE, AKS; MIG nodes too), so GPU pods get a
 # toleration for it, as the ExtendedResourceToleration admission plugin would add where enabled.
 GPU_TAINT_KEY = "nvidia.com/gpu"
@@ -51,13 +59,23 @@ MANAGED_FLAGS = (
     "--preemption-mode",
     "--swap-space",
     "--log-format",
+    "--shutdown-timeout",
 )
+# Refused in extraArgs as well: an API key in args would be readable by anyone who can read the
+# InferenceService or its pods (spec.apiKeySecretRef passes it through a Secret instead).
+REFUSED_FLAGS = (*MANAGED_FLAGS, "--api-key")
+API_KEY_ENV = "QUIRE_API_KEY"  # read by quire-engine serve as --api-key
 
 PROMETHEUS_ANNOTATIONS = {
     "prometheus.io/scrape": "true",
     "prometheus.io/port": str(ENGINE_PORT),
     "prometheus.io/path": "/metrics",
 }
+
+
+def termination_grace_period_s(isvc: InferenceService) -> int:
+    """preStop sleep + the engine's drain timeout + a margin (see GRACE_MARGIN_S)."""
+    return isvc.engine.pre_stop_delay_s + isvc.engine.shutdown_timeout_s + GRACE_MARGIN_S
 
 
 def _number(value: float) -> str:
@@ -91,6 +109,7 @@ def engine_args(isvc: InferenceService) -> list[str]:
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--preemption-mode", engine.preemption_mode,
         "--log-format", "json",
+        "--shutdown-timeout", str(engine.shutdown_timeout_s),
     ]  # fmt: skip
     if engine.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
@@ -102,8 +121,21 @@ def engine_args(isvc: InferenceService) -> list[str]:
 
 
 def _container_security() -> dict[str, Any]:
-    # Pod Security Standards "restricted": nothing the engine needs is lost.
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    # Pod Security Standards "restricted", plus a read-only root: nothing the engine needs is
+    # lost (it writes only to the SCRATCH_VOLUMES, /dev/shm and the model volume).
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _scratch_mounts() -> list[dict[str, Any]]:
+    return [{"name": name, "mountPath": path} for name, path, _ in SCRATCH_VOLUMES]
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
 def _cpu_memory(isvc: InferenceService) -> dict[str, Any]:
@@ -155,14 +187,13 @@ def _download_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
     if model.hf_token is not None:
-        ref = {"name": model.hf_token.name, "key": model.hf_token.key}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+        env.append(_secret_env("HF_TOKEN", model.hf_token))
     container: dict[str, Any] = {
         "name": "download-model",
         "image": image,
         "command": command,
         "env": env,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_scratch_mounts()],
         "securityContext": _container_security(),
     }
     if resources := _cpu_memory(isvc):
@@ -182,8 +213,12 @@ def _tolerations(isvc: InferenceService) -> list[dict[str, Any]]:
 def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     image = isvc.engine.image or config.engine_image
     model_volume = _model_volume(isvc.model)
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}, *_scratch_mounts()]
+    shm = {"medium": "Memory", "sizeLimit": isvc.resources.shared_memory}
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": shm},
+        *({"name": name, "emptyDir": {"sizeLimit": size}} for name, _, size in SCRATCH_VOLUMES),
+    ]
     if model_volume is not None:
         volumes.append(model_volume)
         mount = {"name": "model", "mountPath": MODEL_DIR}
@@ -203,6 +238,12 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "volumeMounts": mounts,
         "securityContext": _container_security(),
     }
+    if isvc.api_key is not None:
+        container["env"] = [_secret_env(API_KEY_ENV, isvc.api_key)]
+    if isvc.engine.pre_stop_delay_s:
+        # The kubelet's own sleep action (beta and on by default since Kubernetes 1.30, GA in
+        # 1.34): the image needs no `sleep` binary, unlike an exec hook.
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": isvc.engine.pre_stop_delay_s}}}
     if isvc.engine.image_pull_policy is not None:
         container["imagePullPolicy"] = isvc.engine.image_pull_policy
     if resources := _engine_resources(isvc):
@@ -211,6 +252,9 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         # Service links would inject variables such as QUIRE_PORT=tcp://10.0.0.1:8000 for a
         # Service named "quire", and the engine reads QUIRE_<FLAG> variables as flags.
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token in the pod to steal.
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": termination_grace_period_s(isvc),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": ENGINE_UID,

@@ -1,16 +1,18 @@
-"""kopf handlers: thin, typed, and all ending in ``Reconciler.reconcile(namespace, name)``.
+"""kopf handlers: thin, typed, and all ending in ``Requeue.run(namespace, name)`` (a reconcile
+that is retried with backoff until it succeeds, see requeue.py).
 
 Triggers:
 - The InferenceService is created, changed (spec, labels, annotations) or found at operator
-  start (resume). A problem a later attempt can fix (the model's token Secret is missing) raises
-  ``kopf.TemporaryError``, so kopf retries every ``RETRY_DELAY_S`` until it is fixed, and the
-  Degraded condition clears by itself.
+  start (resume). A failure or a problem a later attempt can fix (an object in the way that is
+  not ours) is retried by the requeue, not by kopf, so every trigger gets the same backoff and
+  the Degraded condition clears by itself once the cause is gone.
 - A child (Deployment, Service, HPA, PDB) or an engine pod changes or is deleted. Those watch
   streams carry only objects labelled ``app.kubernetes.io/managed-by=quire-operator`` (a
   server-side label selector), and the owning InferenceService is named by the
   ``app.kubernetes.io/instance`` label. This is how drift is repaired within seconds and how
   status follows the Deployment and its pods without any timer (kopf timers would put a
   finalizer on every InferenceService, and deletion should rely on owner references alone).
+- The requeue's slow periodic resync, for whatever no event announced.
 
 There is no deletion handler: the garbage collector deletes the children through their owner
 references. Peering (see cli.py) keeps all but one operator process paused.
@@ -25,9 +27,9 @@ from typing import Any
 import kopf
 
 from quire_operator import meta
-from quire_operator.reconcile import Reconciler
 
-RETRY_DELAY_S = 5  # a Secret GET per broken InferenceService every 5 s is nothing
+# Reconcile one InferenceService, retrying on failure (Requeue.run).
+Run = Callable[[str, str], None]
 
 
 def _generation(obj: Mapping[str, Any]) -> str:
@@ -72,8 +74,8 @@ class ChildEvents:
     time, so each uid's entry has a single writer.
     """
 
-    def __init__(self, reconciler: Reconciler) -> None:
-        self._reconciler = reconciler
+    def __init__(self, run: Run) -> None:
+        self._run = run
         self._seen: dict[str, str] = {}
 
     def handle(self, child: Child, event: kopf.RawEvent) -> None:
@@ -85,7 +87,7 @@ class ChildEvents:
             return
         if child.changed_when is not None and not self._changed(child.changed_when, event):
             return
-        self._reconciler.reconcile(namespace, owner)
+        self._run(namespace, owner)
 
     def _changed(self, changed_when: Callable[[Mapping[str, Any]], str], event: Any) -> bool:
         uid = event["object"]["metadata"]["uid"]
@@ -97,23 +99,19 @@ class ChildEvents:
         return before is not None and before != now
 
 
-def register(
-    registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, reconciler: Reconciler
-) -> None:
+def register(registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, run: Run) -> None:
     """Register every handler in ``registry`` and narrow the children's watch streams."""
     inference_services = (meta.GROUP, meta.VERSION, meta.PLURAL)
 
-    @kopf.on.resume(*inference_services, id="reconcile", registry=registry, backoff=RETRY_DELAY_S)
-    @kopf.on.create(*inference_services, id="reconcile", registry=registry, backoff=RETRY_DELAY_S)
-    @kopf.on.update(*inference_services, id="reconcile", registry=registry, backoff=RETRY_DELAY_S)
+    @kopf.on.resume(*inference_services, id="reconcile", registry=registry)
+    @kopf.on.create(*inference_services, id="reconcile", registry=registry)
+    @kopf.on.update(*inference_services, id="reconcile", registry=registry)
     def reconcile_inference_service(name: str, namespace: str | None, **_: Any) -> None:
         if namespace is None:  # kopf's signature allows it; the CRD is namespaced
             raise kopf.PermanentError("an InferenceService must have a namespace")
-        problem = reconciler.reconcile(namespace, name)
-        if problem is not None and problem.retry:
-            raise kopf.TemporaryError(f"{problem.reason}: {problem.message}", delay=RETRY_DELAY_S)
+        run(namespace, name)
 
-    events = ChildEvents(reconciler)
+    events = ChildEvents(run)
     managed = {meta.MANAGED_BY_LABEL: meta.FIELD_MANAGER}
     for child in CHILDREN:
         selector = (child.group, child.version, child.plural)

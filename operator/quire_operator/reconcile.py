@@ -1,18 +1,29 @@
 """Level-triggered reconcile of one InferenceService against the API server.
 
 Every trigger (the InferenceService created, changed or seen at startup; a child object or pod
-changed or deleted) runs the same ``Reconciler.reconcile(namespace, name)``: read the latest
-InferenceService, server-side apply its children, delete the HPA/PDB it no longer needs, and write
-the status if it changed. Reading the latest object instead of the event's copy means a late
-event can never re-apply an older spec.
+changed or deleted; a retry; the periodic resync) runs the same ``Reconciler.reconcile(namespace,
+name)``: read the latest InferenceService, check that each child name is free or already ours,
+server-side apply the children, delete the HPA/PDB it no longer needs, and write the status if
+it changed (with one Event per transition). Reading the latest object instead of the event's
+copy means a late event can never re-apply an older spec.
 
 Ownership:
+- A child is ours only if its controller owner reference carries this InferenceService's uid.
+  An object of the same name without it (made by helm, by hand, left over from a deleted
+  InferenceService of the same name) is never applied over, adopted or deleted: the reconcile
+  applies nothing, reports ``Degraded`` with reason ``NotOwned`` naming it, and asks to be
+  retried, so it converges once that object is gone. An apply to an object found ours names its
+  uid, so one replaced meanwhile is refused by the API server; only an object created in the
+  moment between finding the name free and the apply would be taken over (server-side apply has
+  no "create only").
 - Children are applied with the single field manager ``meta.FIELD_MANAGER`` and ``force=True``:
   the operator is their controller, so it takes back any field it sets (see deployment.py for
-  ``spec.replicas`` under an HPA). It deletes only an HPA/PDB that it owns.
+  ``spec.replicas`` under an HPA). It deletes only an HPA/PDB that it owns, by uid precondition.
 - ``status`` of the InferenceService is written by merge patch under the same manager name.
 - One lock per (namespace, name) stripe serializes reconciles of an object within the process;
   kopf peering keeps a second operator process paused, so nothing else writes these fields.
+- The operator never reads Secrets: a missing API key or model token Secret shows in the pods'
+  status (the kubelet's CreateContainerConfigError names it), which the status reports.
 """
 
 from __future__ import annotations
@@ -29,19 +40,32 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.children import TIMEOUT, Children
 from quire_operator.config import OperatorConfig
 from quire_operator.deployment import build_deployment
+from quire_operator.events import EventRecorder, transitions
 from quire_operator.objects import build_hpa, build_pdb, build_service
+from quire_operator.observed import (
+    DeploymentView,
+    PodView,
+    controller_uid,
+    parse_deployment,
+    parse_pod,
+)
 from quire_operator.spec import InferenceService, parse
 from quire_operator.status import Observation, Problem, build_status
 
 logger = logging.getLogger(__name__)
 
-APPLY = "application/apply-patch+yaml"  # JSON is YAML, and the client sends dict bodies as JSON
 MERGE = "application/merge-patch+json"
-# (connect, read) seconds for every call: a hung request must not hold an object's lock forever.
-TIMEOUT = (10, 60)
 _LOCK_STRIPES = 64
+# Failures worth retrying as they are: server errors, conflicts, throttling (no status: timeout,
+# connection refused). Anything else is the API server refusing this spec: reported, not retried.
+RETRIABLE_STATUSES = frozenset({409, 429})
+
+
+def retriable(err: ApiException) -> bool:
+    return err.status is None or err.status >= 500 or err.status in RETRIABLE_STATUSES
 
 
 def api_message(err: ApiException) -> str:
@@ -75,143 +99,101 @@ def _now() -> str:
 
 
 class Reconciler:
-    """Holds the API clients; safe to call from kopf's handler threads."""
+    """Holds the API clients; safe to call from kopf's handler threads and the requeue thread."""
 
     def __init__(
-        self, api: client.ApiClient, config: OperatorConfig, now: Callable[[], str] = _now
+        self,
+        api: client.ApiClient,
+        config: OperatorConfig,
+        now: Callable[[], str] = _now,
+        events: EventRecorder | None = None,
     ) -> None:
         self._api = api
         self._config = config
         self._now = now
+        self._events = events if events is not None else EventRecorder(api)
         self._core = client.CoreV1Api(api)
-        self._apps = client.AppsV1Api(api)
-        self._autoscaling = client.AutoscalingV2Api(api)
-        self._policy = client.PolicyV1Api(api)
+        self._children = Children(api)
         self._custom = client.CustomObjectsApi(api)
         self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
 
     def reconcile(self, namespace: str, name: str) -> Problem | None:
         """Converge one InferenceService; returns why its spec is not applied, if it is not.
-        Raises ``ApiException`` for failures worth retrying (server errors, conflicts)."""
+        Raises ``ApiException`` for failures worth retrying (``retriable``)."""
         stripe = zlib.crc32(f"{namespace}/{name}".encode()) % _LOCK_STRIPES
         with self._locks[stripe]:
             body = self._read_inference_service(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return None  # gone or going: the garbage collector removes the children
-            problem, deployment = self._converge(body)
+            problem, found = self._converge(body)
+            deployment = parse_deployment(found) if found is not None else None
             domain, port = self._config.cluster_domain, body["spec"]["service"]["port"]
             observed = Observation(
                 generation=int(body["metadata"].get("generation", 0)),
                 url=f"http://{name}.{namespace}.svc.{domain}:{port}",
                 selector=meta.selector_string(name),
+                api_key=bool(body["spec"].get("apiKeySecretRef")),
                 problem=problem,
                 deployment=deployment,
-                pods=self._pods_if_unready(namespace, name, deployment),
+                pods=self._pods_if_unsettled(namespace, name, deployment),
             )
             previous = body.get("status") or {}
             status = build_status(observed, previous, self._now())
             if status != previous:
                 self._write_status(namespace, name, status)
                 _log_changes(namespace, name, previous, status)
+                for transition in transitions(previous, status):
+                    self._events.post(body, transition)
             return problem
 
     def _converge(self, body: dict[str, Any]) -> tuple[Problem | None, dict[str, Any] | None]:
-        """Apply the children; (why not, the Deployment as it now is)."""
-        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        """Apply the children; (why not, our Deployment as it now is)."""
+        metadata = body["metadata"]
+        namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
+        existing = {kind: self._children.read(kind, namespace, name) for kind in _KINDS}
+        ours = {kind: obj for kind, obj in existing.items() if obj and controller_uid(obj) == uid}
         try:
             isvc = parse(body)
         except (ValueError, KeyError) as err:
             invalid = Problem("InvalidSpec", f"spec cannot be applied: {err}")
-            return invalid, self._read_deployment(namespace, name)
-        missing = self._check_secret(isvc)
-        if missing is not None:
-            # Keep whatever runs now: a replica that already has its model keeps serving.
-            return missing, self._read_deployment(namespace, name)
-        children = [
-            ("Deployment", build_deployment(isvc, self._config)),
-            ("Service", build_service(isvc)),
-            ("HorizontalPodAutoscaler", build_hpa(isvc)),
-            ("PodDisruptionBudget", build_pdb(isvc)),
+            return invalid, ours.get("Deployment")
+        wanted = self._build(isvc)
+        foreign = [
+            kind
+            for kind, obj in existing.items()
+            if obj is not None and kind not in ours and wanted[kind] is not None
         ]
-        deployment = None
-        for kind, child in children:
+        if foreign:
+            named = ", ".join(f'{kind} "{name}"' for kind in foreign)
+            message = (
+                f"{named} already exists and is not controlled by this InferenceService; it is "
+                "left untouched and nothing is applied until it is deleted or renamed"
+            )
+            return Problem("NotOwned", message, retry=True), ours.get("Deployment")
+        deployment = ours.get("Deployment")
+        for kind, child in wanted.items():
             try:
-                if child is None:
-                    self._delete_if_owned(kind, isvc)
-                    continue
-                applied = self._apply(child)
+                if child is not None:
+                    uid_now = ours[kind]["metadata"]["uid"] if kind in ours else None
+                    applied = self._children.apply(child, uid_now)
+                    deployment = applied if kind == "Deployment" else deployment
+                elif kind in ours:
+                    self._children.delete(kind, namespace, name, ours[kind]["metadata"]["uid"])
+                    logger.info("deleted %s %s/%s (not in the spec)", kind, namespace, name)
             except ApiException as err:
-                if err.status is None or err.status >= 500 or err.status in (409, 429):
+                if retriable(err):
                     raise
-                problem = Problem("ApplyFailed", f"{kind} {name}: {api_message(err)}")
-                return problem, deployment or self._read_deployment(namespace, name)
-            if kind == "Deployment":
-                deployment = applied
+                return Problem("ApplyFailed", f"{kind} {name}: {api_message(err)}"), deployment
         return None, deployment
 
-    def _check_secret(self, isvc: InferenceService) -> Problem | None:
-        ref = isvc.model.hf_token
-        if ref is None:
-            return None
-        where = f'Secret "{ref.name}" (spec.model.hfTokenSecretRef)'
-        try:
-            secret = self._core.read_namespaced_secret(
-                ref.name, isvc.ref.namespace, _request_timeout=TIMEOUT
-            )
-        except ApiException as err:
-            if err.status == 404:
-                message = f'{where} not found in namespace "{isvc.ref.namespace}"'
-                return Problem("SecretNotFound", message, retry=True)
-            raise
-        if ref.key not in (secret.data or {}):
-            return Problem("SecretKeyNotFound", f'{where} has no key "{ref.key}"', retry=True)
-        return None
-
-    def _apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        patchers: dict[str, Callable[..., Any]] = {
-            "Deployment": self._apps.patch_namespaced_deployment,
-            "Service": self._core.patch_namespaced_service,
-            "HorizontalPodAutoscaler": self._autoscaling.patch_namespaced_horizontal_pod_autoscaler,
-            "PodDisruptionBudget": self._policy.patch_namespaced_pod_disruption_budget,
+    def _build(self, isvc: InferenceService) -> dict[str, dict[str, Any] | None]:
+        """Each child kind -> its applied configuration, or None where the spec wants none."""
+        return {
+            "Deployment": build_deployment(isvc, self._config),
+            "Service": build_service(isvc),
+            "HorizontalPodAutoscaler": build_hpa(isvc),
+            "PodDisruptionBudget": build_pdb(isvc),
         }
-        metadata = obj["metadata"]
-        result = patchers[obj["kind"]](
-            metadata["name"],
-            metadata["namespace"],
-            obj,
-            field_manager=meta.FIELD_MANAGER,
-            force=True,
-            _content_type=APPLY,
-            _request_timeout=TIMEOUT,
-        )
-        applied: dict[str, Any] = self._api.sanitize_for_serialization(result)
-        return applied
-
-    def _delete_if_owned(self, kind: str, isvc: InferenceService) -> None:
-        """Delete this InferenceService's HPA or PDB if it has one; never someone else's."""
-        readers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-            "HorizontalPodAutoscaler": (
-                self._autoscaling.read_namespaced_horizontal_pod_autoscaler,
-                self._autoscaling.delete_namespaced_horizontal_pod_autoscaler,
-            ),
-            "PodDisruptionBudget": (
-                self._policy.read_namespaced_pod_disruption_budget,
-                self._policy.delete_namespaced_pod_disruption_budget,
-            ),
-        }
-        read, delete = readers[kind]
-        ref = isvc.ref
-        try:
-            found = read(ref.name, ref.namespace, _request_timeout=TIMEOUT)
-            existing = self._api.sanitize_for_serialization(found)
-            if meta.owned_by(existing, ref):
-                uid = existing["metadata"]["uid"]
-                options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
-                delete(ref.name, ref.namespace, body=options, _request_timeout=TIMEOUT)
-                logger.info("deleted %s %s/%s (not in the spec)", kind, ref.namespace, ref.name)
-        except ApiException as err:
-            if err.status not in (404, 409):  # already gone, or replaced meanwhile
-                raise
 
     def _read_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -226,36 +208,19 @@ class Reconciler:
             raise TypeError(f"expected a JSON object for {namespace}/{name}, got {type(body)}")
         return body
 
-    def _read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            deployment = self._apps.read_namespaced_deployment(
-                name, namespace, _request_timeout=TIMEOUT
-            )
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
-        found: dict[str, Any] = self._api.sanitize_for_serialization(deployment)
-        return found
-
-    def _pods_if_unready(
-        self, namespace: str, name: str, deployment: dict[str, Any] | None
-    ) -> list[dict[str, Any]]:
+    def _pods_if_unsettled(
+        self, namespace: str, name: str, deployment: DeploymentView | None
+    ) -> list[PodView]:
         """The pods, unless every replica runs the current template and is ready (then they
         have nothing to explain); during a rollout a new pod may be stuck behind old ready ones."""
-        if deployment is None:
-            return []
-        desired = deployment.get("spec", {}).get("replicas", 1)
-        status = deployment.get("status", {})
-        counts = (status.get(key, 0) for key in ("replicas", "updatedReplicas", "readyReplicas"))
-        if all(count == desired for count in counts):
+        if deployment is None or deployment.settled:
             return []
         selector = meta.selector_string(name)
         pods = self._core.list_namespaced_pod(
             namespace, label_selector=selector, _request_timeout=TIMEOUT
         )
-        items: list[dict[str, Any]] = self._api.sanitize_for_serialization(pods)["items"]
-        return items
+        items = self._api.sanitize_for_serialization(pods)["items"]
+        return [parse_pod(item) for item in items]
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
@@ -273,3 +238,7 @@ class Reconciler:
         except ApiException as err:
             if err.status != 404:  # deleted meanwhile: nothing left to report on
                 raise
+
+
+# The child kinds, in apply order: the Deployment first (the HPA targets it).
+_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")

@@ -72,8 +72,14 @@ class EngineSpec:
     swap_space_gib: float
     dtype: str
     extra_args: tuple[str, ...]
+    # Drain on SIGTERM (``--shutdown-timeout``): in-flight requests get this long to finish.
+    shutdown_timeout_s: int = 30
+    # preStop sleep before SIGTERM, so endpoints drop the pod before the engine stops taking work.
+    pre_stop_delay_s: int = 5
 
     def __post_init__(self) -> None:
+        if self.shutdown_timeout_s < 0 or self.pre_stop_delay_s < 0:
+            raise ValueError("engine.shutdownTimeoutSeconds and preStopDelaySeconds must be >= 0")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"engine.blockSize must be a power of two, 8..128: {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 0.98:
@@ -85,6 +91,9 @@ class EngineSpec:
 class ResourceSpec:
     gpus: int
     gpu_resource_name: str
+    # sizeLimit of the memory-backed /dev/shm volume (a quantity as written), so a runaway
+    # writer is evicted instead of eating the node's memory.
+    shared_memory: str | int = "1Gi"
     # cpu/memory quantities exactly as written (strings or integers), for the container.
     requests: Mapping[str, str | int] = field(default_factory=dict)
     limits: Mapping[str, str | int] = field(default_factory=dict)
@@ -152,6 +161,8 @@ class InferenceService:
     replicas: int
     autoscaling: Autoscaling
     service: ServiceSpec
+    # The Secret key the engine reads its API key from (env QUIRE_API_KEY); None: no key.
+    api_key: SecretKeyRef | None = None
 
     @property
     def max_replicas(self) -> int:
@@ -161,13 +172,16 @@ class InferenceService:
         return self.replicas
 
 
+def _secret_key_ref(ref: Mapping[str, Any] | None) -> SecretKeyRef | None:
+    return SecretKeyRef(ref["name"], ref["key"]) if ref else None
+
+
 def parse_model(model: Mapping[str, Any], default_served_name: str) -> ModelSource:
     uri: str = model["uri"]
-    token = model.get("hfTokenSecretRef")
     common: dict[str, Any] = {
         "revision": model.get("revision"),
         "served_name": model.get("servedName") or default_served_name,
-        "hf_token": SecretKeyRef(token["name"], token["key"]) if token else None,
+        "hf_token": _secret_key_ref(model.get("hfTokenSecretRef")),
     }
     if uri == "tiny":
         return ModelSource(ModelKind.TINY, "tiny", "", **common)
@@ -194,6 +208,8 @@ def parse_engine(engine: Mapping[str, Any]) -> EngineSpec:
         swap_space_gib=float(engine["swapSpaceGiB"]),
         dtype=engine["dtype"],
         extra_args=tuple(engine.get("extraArgs") or ()),
+        shutdown_timeout_s=engine["shutdownTimeoutSeconds"],
+        pre_stop_delay_s=engine["preStopDelaySeconds"],
     )
 
 
@@ -227,6 +243,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
         resources=ResourceSpec(
             gpus=resources["gpus"],
             gpu_resource_name=resources["gpuResourceName"],
+            shared_memory=resources["sharedMemory"],
             requests=dict(resources.get("requests") or {}),
             limits=dict(resources.get("limits") or {}),
         ),
@@ -241,4 +258,5 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
         replicas=spec["replicas"],
         autoscaling=parse_autoscaling(spec["autoscaling"]),
         service=ServiceSpec(type=spec["service"]["type"], port=spec["service"]["port"]),
+        api_key=_secret_key_ref(spec.get("apiKeySecretRef")),
     )

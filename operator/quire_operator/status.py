@@ -6,8 +6,12 @@ Only the operator writes ``status`` (a merge patch on the status subresource). C
 - ``Progressing``: True while the Deployment rolls out the current spec; False once it has, or
   when the spec could not be applied (reason says why).
 - ``Degraded``: True with a reason when something needs a person: a spec the operator cannot
-  apply (a missing Secret, an object the API server refused) or replicas that cannot start
-  (unschedulable, image pull or crash loops, a stuck rollout).
+  apply (an object of the same name it does not own, an object the API server refused) or
+  replicas that cannot start (unschedulable, image pull or crash loops, a missing Secret, a
+  stuck rollout).
+
+``auth`` says what a client must send: ``APIKey`` (a bearer key from spec.apiKeySecretRef) or
+``None``; a printer column shows it.
 
 ``observedGeneration`` is the generation the operator last reconciled, whatever the outcome: the
 conditions tell whether that generation was applied.
@@ -19,7 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from quire_operator.observed import DeploymentView, PodView
+
 # Container waiting reasons that mean the replica will not start without someone acting.
+# CreateContainerConfigError is also how a missing Secret (API key, model token) shows: the
+# kubelet's message names it, and the replica starts by itself once the Secret exists.
 STUCK_WAITING_REASONS = frozenset(
     {
         "CrashLoopBackOff",
@@ -30,12 +38,15 @@ STUCK_WAITING_REASONS = frozenset(
         "CreateContainerError",
     }
 )
+# status.auth: what a client must send. A printer column shows it.
+AUTH_API_KEY = "APIKey"
+AUTH_NONE = "None"
 
 
 @dataclass(frozen=True)
 class Problem:
     """Why the spec was not (fully) applied. ``retry``: a later attempt can succeed without a
-    spec change (a Secret may appear), so the handler should be retried."""
+    spec change (an object in the way may go), so the reconcile should be retried."""
 
     reason: str
     message: str
@@ -47,43 +58,30 @@ class Observation:
     generation: int
     url: str
     selector: str
+    api_key: bool  # the endpoint requires an API key (spec.apiKeySecretRef)
     problem: Problem | None
-    deployment: Mapping[str, Any] | None  # API JSON, None when it does not exist
-    pods: Sequence[Mapping[str, Any]]  # API JSON of the Deployment's pods (listed when unready)
+    deployment: DeploymentView | None  # None when it does not exist (or is not ours)
+    pods: Sequence[PodView]  # the Deployment's pods (listed only when it is not settled)
 
 
-def _condition_of(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
-    conditions = obj.get("status", {}).get("conditions") or []
-    return next((c for c in conditions if c.get("type") == kind), {})
-
-
-def _deployment_problem(deployment: Mapping[str, Any]) -> Problem | None:
-    failure = _condition_of(deployment, "ReplicaFailure")
-    if failure.get("status") == "True":
-        return Problem("ReplicaFailure", failure.get("message", ""))
-    progressing = _condition_of(deployment, "Progressing")
-    if progressing.get("reason") == "ProgressDeadlineExceeded":
-        return Problem("ProgressDeadlineExceeded", progressing.get("message", ""))
+def _deployment_problem(deployment: DeploymentView) -> Problem | None:
+    failure = deployment.conditions.get("ReplicaFailure")
+    if failure is not None and failure.status == "True":
+        return Problem("ReplicaFailure", failure.message)
+    progressing = deployment.conditions.get("Progressing")
+    if progressing is not None and progressing.reason == "ProgressDeadlineExceeded":
+        return Problem("ProgressDeadlineExceeded", progressing.message)
     return None
 
 
-def _pod_problem(pods: Sequence[Mapping[str, Any]]) -> Problem | None:
-    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        name = pod["metadata"]["name"]
-        scheduled = _condition_of(pod, "PodScheduled")
-        if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
-            return Problem("Unschedulable", f"pod {name}: {scheduled.get('message', '')}")
-        status = pod.get("status", {})
-        containers = [
-            *status.get("initContainerStatuses", []),
-            *status.get("containerStatuses", []),
-        ]
-        for container in containers:
-            waiting = container.get("state", {}).get("waiting") or {}
-            reason = waiting.get("reason")
-            if reason in STUCK_WAITING_REASONS:
-                detail = waiting.get("message") or reason
-                return Problem(reason, f"pod {name}, container {container['name']}: {detail}")
+def _pod_problem(pods: Sequence[PodView]) -> Problem | None:
+    for pod in sorted(pods, key=lambda p: p.name):
+        if pod.unschedulable is not None:
+            return Problem("Unschedulable", f"pod {pod.name}: {pod.unschedulable}")
+        for waiting in pod.waiting:
+            if waiting.reason in STUCK_WAITING_REASONS:
+                where = f"pod {pod.name}, container {waiting.container}"
+                return Problem(waiting.reason, f"{where}: {waiting.message}")
     return None
 
 
@@ -98,11 +96,7 @@ def _conditions(obs: Observation) -> list[tuple[str, bool, str, str]]:
             ("Progressing", False, why.reason, why.message),
             ("Degraded", degraded is not None, why.reason, why.message),
         ]
-    spec, status = deployment.get("spec", {}), deployment.get("status", {})
-    desired = spec.get("replicas", 1)
-    ready = status.get("readyReplicas", 0)
-    updated = status.get("updatedReplicas", 0)
-    available = status.get("availableReplicas", 0)
+    desired, ready = deployment.desired, deployment.ready
     degraded = degraded or _deployment_problem(deployment) or _pod_problem(obs.pods)
 
     if ready:
@@ -114,18 +108,12 @@ def _conditions(obs: Observation) -> list[tuple[str, bool, str, str]]:
 
     if obs.problem is not None:
         progressing = ("Progressing", False, obs.problem.reason, obs.problem.message)
-    elif (
-        status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
-        and status.get("replicas", 0) == updated == available == desired
-    ):
-        progressing = (
-            "Progressing",
-            False,
-            "RolloutComplete",
-            f"{desired}/{desired} replicas up to date",
-        )
+    elif deployment.rolled_out:
+        message = f"{desired}/{desired} replicas up to date"
+        progressing = ("Progressing", False, "RolloutComplete", message)
     else:
-        message = f"{updated}/{desired} replicas updated, {ready}/{status.get('replicas', 0)} ready"
+        updated, running = deployment.updated, deployment.replicas
+        message = f"{updated}/{desired} replicas updated, {ready}/{running} ready"
         progressing = ("Progressing", True, "RollingOut", message)
 
     if degraded is None:
@@ -154,12 +142,14 @@ def build_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dic
                 "lastTransitionTime": since,
             }
         )
-    deployment_status = (obs.deployment or {}).get("status", {})
+    deployment = obs.deployment
     return {
         "observedGeneration": obs.generation,
-        "replicas": deployment_status.get("replicas", 0),
-        "readyReplicas": deployment_status.get("readyReplicas", 0),
+        "desiredReplicas": deployment.desired if deployment else 0,
+        "replicas": deployment.replicas if deployment else 0,
+        "readyReplicas": deployment.ready if deployment else 0,
         "url": obs.url,
+        "auth": AUTH_API_KEY if obs.api_key else AUTH_NONE,
         "selector": obs.selector,
         "conditions": conditions,
     }

@@ -133,6 +133,18 @@ class ControlPlane:
         if not keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
+    def restart_apiserver(self) -> float:
+        """Stop kube-apiserver (SIGTERM, as a rolling control-plane upgrade does) and start it
+        again with the same flags and port; returns once /readyz answers 200, with the seconds
+        it was away. Clients see their connections dropped and watches end meanwhile."""
+        (index,) = [i for i, p in enumerate(self.processes) if p.name == "kube-apiserver"]
+        old = self.processes[index]
+        started = time.monotonic()
+        old.stop()
+        self.processes[index] = ManagedProcess(old.name, old.argv, old.log_path)
+        self._wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz")[0] == 200)
+        return time.monotonic() - started
+
     def dead_components(self) -> list[str]:
         """Names of components that have exited (a healthy cluster returns [])."""
         return [proc.name for proc in self.processes if proc.exited() is not None]
@@ -214,6 +226,10 @@ class ControlPlane:
             # The `kubernetes` Service's endpoints would be 127.0.0.1, which endpoint
             # validation rejects as loopback; nothing in the tests dials it, so skip them.
             "--endpoint-reconciler-type=none",
+            # On top of the default plugins (PodSecurity among them): setting an owner
+            # reference with blockOwnerDeletion then needs update on the owner's finalizers,
+            # as on OpenShift and hardened clusters, so the chart's RBAC is proven against it.
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             "--allow-privileged=true", "--profiling=false",
         ])  # fmt: skip
         self._wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz")[0] == 200)

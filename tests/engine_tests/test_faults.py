@@ -128,7 +128,7 @@ def test_a_fault_in_one_beam_step_fails_only_that_beam_search(
     clean = llm.beam_search(prompts, beam_width=3, max_tokens=6)
     real = beam_search.advance
 
-    def advance(table: Any, req: Any, state: Any, eos: int | None) -> None:
+    def advance(table: Any, req: Any, state: Any, eos: Any) -> None:
         tokens = len(table.owner(state.active[0])[1].seq.output_token_ids)
         if req.prompt == "beam poisoned" and tokens == 5:  # the last step
             raise KeyError("injected beam fault")

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.tiny_model import build_tokenizer
-from tests.engine_tests.models import ARCHITECTURES
-from tests.engine_tests.test_llm_equivalence import MAX_TOKENS, prompts
+from tests.engine_tests.models import ARCHITECTURES, greedy_reference
+from tests.engine_tests.test_llm_equivalence import ALL_LAYERS_SLIDING, MAX_TOKENS, prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,41 +22,42 @@ pytestmark = [
 ]
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list]:
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt], device="cuda")
-    gen = model.generate(
-        ids,
-        max_new_tokens=n,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return gen.sequences[0, len(prompt) :].tolist(), [lg[0].float() for lg in gen.logits]
-
-
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_cuda_float32_token_exact(arch: str, model_dirs: dict[str, Path]) -> None:
+    """Every architecture through the Triton kernel (sliding windows, soft-caps, released
+    blocks), with swap preemption forced by a small pool."""
     path = str(model_dirs[arch])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    # Where every layer slides, released blocks leave room: one 88-token request's worth.
+    pool = {"num_blocks": 11, "max_model_len": 88} if arch in ALL_LAYERS_SLIDING else {}
     llm = LLM(
         path,
         device="cuda",
         dtype="float32",
-        num_blocks=16,
         block_size=8,
-        max_model_len=128,
         preemption_mode="swap",
         swap_space=0.01,
+        **{"num_blocks": 16, "max_model_len": 128} | pool,  # type: ignore[arg-type]
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results = llm.generate(prompts(), params)
     for p, result in zip(prompts(), results, strict=True):
-        tokens, _ = hf_greedy(model, p, MAX_TOKENS)
-        assert result.outputs[0].token_ids == tokens
-    assert llm.engine.scheduler.num_preemptions  # the small pool forced preemption on the GPU
+        # The checkpoints are tie-free on these prompts (test_llm_equivalence checks it on CPU).
+        assert result.outputs[0].token_ids == greedy_reference(model, p, MAX_TOKENS).tokens
+    # The small pool forced preemption on the GPU.
+    assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
     assert llm.kv_cache_stats().used == 0
+
+
+def test_cuda_pool_sized_by_profiling_an_eager_only_model(model_dirs: dict[str, Path]) -> None:
+    """No num_blocks: the pool is sized by a profiling forward, which must run for Gemma 2
+    (transformers refuses SDPA for it) and leave a token-exact engine."""
+    path = str(model_dirs["gemma2"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    result = llm.generate([prompts()[2]], params)[0]
+    assert result.outputs[0].token_ids == greedy_reference(model, prompts()[2], MAX_TOKENS).tokens
 
 
 def test_cuda_bfloat16_logits_on_a_134m_model(tmp_path: Path) -> None:
@@ -89,14 +90,14 @@ def test_cuda_bfloat16_logits_on_a_134m_model(tmp_path: Path) -> None:
     )
     report = []
     for p, result in zip(batch, results, strict=True):
-        tokens, logits = hf_greedy(model, p, n)
+        ref = greedy_reference(model, p, n)
         ours = result.outputs[0]
         first_div = next(
-            (i for i, (a, b) in enumerate(zip(ours.token_ids, tokens, strict=True)) if a != b), None
+            (i for i, (a, b) in enumerate(zip(ours.token_ids, ref.tokens, strict=True)) if a != b),
+            None,
         )
         # Compare the first step (same prefix by construction): top-20 log-probabilities.
-        ref = torch.log_softmax(logits[0], dim=-1)
-        diff = max(abs(lp - float(ref[t])) for t, lp in ours.logprobs[0].items())
+        diff = max(abs(lp - float(ref.logprobs[0, t])) for t, lp in ours.logprobs[0].items())
         report.append(
             {
                 "prompt_len": len(p),

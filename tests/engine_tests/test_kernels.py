@@ -110,6 +110,8 @@ class Batch:
     values: list[torch.Tensor]
     q_lens: list[int]
     scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def kwargs(self) -> dict[str, object]:
         """Keyword arguments of paged_attention / paged_attention_reference."""
@@ -118,6 +120,7 @@ class Batch:
             "block_tables": self.block_tables, "seq_lens": self.seq_lens,
             "query_start_loc": self.query_start_loc, "scale": self.scale,
             "max_query_len": max(self.q_lens), "max_seq_len": int(self.seq_lens.max()),
+            "sliding_window": self.sliding_window, "softcap": self.softcap,
         }  # fmt: skip
 
     def reference(self) -> torch.Tensor:
@@ -137,10 +140,16 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> Batch:
     """``specs``: one (cached tokens, query tokens) pair per sequence. Blocks are scattered at
     random over a pool with spare blocks; every slot no sequence owns holds NaN, so reading
-    anything past a sequence's end shows up in the output."""
+    anything past a sequence's end shows up in the output.
+
+    With a ``sliding_window``, the blocks wholly before every query's window are released as the
+    engine releases them: their table entries name a NaN-filled spare block, so reading one
+    shows up in the output too."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [cached + n for cached, n in specs]
     need = [-(-n // block_size) for n in seq_lens]
@@ -159,6 +168,10 @@ def make_batch(
         pos = torch.arange(length)
         k_cache[tables[s, pos // block_size], pos % block_size] = k
         v_cache[tables[s, pos // block_size], pos % block_size] = v
+        if sliding_window is not None:
+            # The first query sees positions from length - n - W + 1 on.
+            dead = max(0, length - specs[s][1] - sliding_window + 1) // block_size
+            tables[s, :dead] = order[0]  # a spare block (never popped): all NaN
         keys.append(k.to(device, dtype))
         values.append(v.to(device, dtype))
     q_lens = [n for _, n in specs]
@@ -174,21 +187,36 @@ def make_batch(
         values=values,
         q_lens=q_lens,
         scale=head_dim**-0.5,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
 
 
 def contiguous_attention(b: Batch) -> torch.Tensor:
-    """Plain causal SDPA per sequence over its whole contiguous K/V: the queries of a sequence
-    are the last rows of a full-length causal attention (earlier rows are zero and dropped)."""
+    """Plain causal attention per sequence over its whole contiguous K/V: the queries of a
+    sequence are the last rows of a full-length causal attention (earlier rows are zero and
+    dropped). SDPA, or with a window or soft-cap transformers' eager formula written out."""
     outs, start = [], 0
     for keys, values, n in zip(b.keys, b.values, b.q_lens, strict=True):
         length = keys.shape[0]
-        q = b.q.new_zeros(length, *b.q.shape[1:]).float()
-        q[length - n :] = b.q[start : start + n].float()
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.float().transpose(0, 1), values.float().transpose(0, 1),
-            is_causal=True, scale=b.scale, enable_gqa=True,
-        )  # fmt: skip
+        q = b.q.new_zeros(length, *b.q.shape[1:]).float().transpose(0, 1)  # [heads, L, D]
+        q[:, length - n :] = b.q[start : start + n].float().transpose(0, 1)
+        k, v = keys.float().transpose(0, 1), values.float().transpose(0, 1)  # [kv_heads, L, D]
+        if b.sliding_window is None and b.softcap is None:
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=b.scale, enable_gqa=True
+            )
+        else:
+            group = q.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            scores = q @ k.transpose(1, 2) * b.scale  # [heads, L, L]
+            if b.softcap is not None:
+                scores = torch.tanh(scores / b.softcap) * b.softcap
+            pos = torch.arange(length)
+            allowed = pos[None, :] <= pos[:, None]
+            if b.sliding_window is not None:
+                allowed &= pos[None, :] > pos[:, None] - b.sliding_window
+            o = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
         outs.append(o.transpose(0, 1)[length - n :])
         start += n
     return torch.cat(outs).to(b.q.dtype)
@@ -238,6 +266,95 @@ def test_interpreted_kernel_matches_reference(
         out = b.kernel(num_splits)
         assert out.shape == b.q.shape and out.dtype == b.q.dtype
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0, msg=f"splits={num_splits}")
+
+
+# (id, specs, heads, kv_heads, head_dim, block_size, sliding_window, softcap, split counts)
+WINDOW_CASES = [
+    # Decode far past the window (released blocks hold NaN), windows off block boundaries.
+    ("win-decode-bs8-w5", [(n - 1, 1) for n in (3, 8, 9, 40, 77)], 4, 2, 32, 8, 5, None, (1, 3)),
+    (
+        "win-decode-bs16-w16",
+        [(n - 1, 1) for n in (16, 17, 33, 100)],
+        4,
+        1,
+        64,
+        16,
+        16,
+        None,
+        (1, 2),
+    ),
+    # Prefill and chunks longer than the window: later queries of a tile see fewer keys.
+    ("win-prefill-bs8-w7", [(0, 30), (0, 5), (21, 19)], 4, 2, 32, 8, 7, None, (1, 2)),
+    ("win-mixed-bs16-w20", [(50, 1), (0, 45), (33, 12), (3, 1)], 8, 2, 32, 16, 20, None, (1, 3)),
+    ("softcap-mixed-bs8", [(9, 1), (0, 20), (17, 6)], 4, 2, 32, 8, None, 0.5, (1, 2)),
+    ("win-softcap-bs16", [(40, 1), (10, 30), (0, 3)], 4, 1, 16, 16, 12, 2.0, (1, 3)),
+]
+
+
+def _window_case_params() -> list[Any]:
+    return [pytest.param(*case[1:], id=case[0]) for case in WINDOW_CASES]
+
+
+@pytest.mark.parametrize(
+    ("specs", "heads", "kv_heads", "head_dim", "block_size", "window", "softcap", "splits"),
+    _window_case_params(),
+)
+def test_interpreted_kernel_window_and_softcap(
+    interpret: None,
+    specs: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+    softcap: float | None,
+    splits: tuple[int, ...],
+) -> None:
+    """Sliding window and soft-cap in the kernel, against the reference (which is checked
+    against contiguous eager attention below); released blocks are never read."""
+    b = make_batch(
+        specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        sliding_window=window, softcap=softcap, seed=block_size,
+    )  # fmt: skip
+    expected = b.reference()
+    assert not expected.isnan().any()
+    # The window and the cap change the result: a kernel ignoring them cannot pass.
+    plain = replace(b, sliding_window=None, softcap=None)
+    if window is None:  # (with a window the plain reference would read the released blocks)
+        assert not torch.allclose(plain.reference(), expected, atol=1e-3)
+    for num_splits in (*splits, None):
+        out = b.kernel(num_splits)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0, msg=f"splits={num_splits}")
+
+
+@pytest.mark.parametrize(
+    ("specs", "heads", "kv_heads", "head_dim", "block_size", "window", "softcap", "splits"),
+    _window_case_params(),
+)
+@pytest.mark.parametrize("one_seq_per_chunk", [False, True])
+def test_reference_window_and_softcap_match_eager(
+    monkeypatch: pytest.MonkeyPatch,
+    specs: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+    softcap: float | None,
+    splits: tuple[int, ...],
+    one_seq_per_chunk: bool,
+) -> None:
+    if one_seq_per_chunk:
+        monkeypatch.setattr(paged_attention_module, "_DECODE_CHUNK_BYTES", 1)
+    b = make_batch(
+        specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        sliding_window=window, softcap=softcap, seed=block_size,
+    )  # fmt: skip
+    expected = contiguous_attention(b)
+    torch.testing.assert_close(b.reference(), expected, atol=1e-5, rtol=1e-5)
+    if window is not None:  # the window matters: full attention differs
+        full = contiguous_attention(replace(b, sliding_window=None))
+        assert not torch.allclose(full, expected, atol=1e-3)
 
 
 def test_interpreted_kernel_strided_inputs_and_auto_splits(interpret: None) -> None:
@@ -351,7 +468,7 @@ def _compile_for_hopper(kernel: object, pointers: dict[str, str], config: dict[s
     signature = {
         n: "constexpr"
         if n in constexprs
-        else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
+        else pointers.get(n, "fp32" if n in ("scale_log2", "softcap") else "i32")
         for n in names
     }
     attrs = {
@@ -370,12 +487,15 @@ def _compile_for_hopper(kernel: object, pointers: dict[str, str], config: dict[s
 @pytest.mark.skipif(LIVE, reason="kernels are wrapped for the interpreter in this process")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 @pytest.mark.parametrize(
-    ("dtype", "heads", "kv_heads", "head_dim", "block_size", "max_query_len", "splits"),
+    ("dtype", "heads", "kv_heads", "head_dim", "block_size", "max_query_len", "splits", "gemma2"),
     [
-        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 1, id="bf16-decode-bench-shape"),
-        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 4, id="bf16-decode-splits"),
-        pytest.param(torch.bfloat16, 16, 2, 64, 128, 512, 1, id="bf16-prefill-gqa8"),
-        pytest.param(torch.float32, 8, 8, 128, 16, 256, 2, id="fp32-prefill-splits"),
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 1, False, id="bf16-decode-bench-shape"),
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 4, False, id="bf16-decode-splits"),
+        pytest.param(torch.bfloat16, 16, 2, 64, 128, 512, 1, False, id="bf16-prefill-gqa8"),
+        pytest.param(torch.float32, 8, 8, 128, 16, 256, 2, False, id="fp32-prefill-splits"),
+        # Gemma 2's shape: head_dim 256, a sliding window and a soft-cap.
+        pytest.param(torch.bfloat16, 16, 8, 256, 16, 1, 2, True, id="bf16-window-softcap-d256"),
+        pytest.param(torch.bfloat16, 16, 8, 256, 16, 128, 1, True, id="bf16-window-prefill"),
     ],
 )
 def test_kernels_compile_for_hopper(
@@ -386,6 +506,7 @@ def test_kernels_compile_for_hopper(
     block_size: int,
     max_query_len: int,
     splits: int,
+    gemma2: bool,
 ) -> None:
     """The interpreter does not type-check like the compiler; this builds the CUDA path (stage
     1, the merge and write_kv) for an H100/H200 on a machine without one."""
@@ -400,7 +521,10 @@ def test_kernels_compile_for_hopper(
         "q_ptr": elem, "k_cache_ptr": elem, "v_cache_ptr": elem, "out_ptr": part, "lse_ptr": part,
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
     }  # fmt: skip
-    _compile_for_hopper(_paged_attention_kernel, pointers, {**config, "NUM_SPLITS": splits})
+    flags = {"HAS_WINDOW": gemma2, "HAS_SOFTCAP": gemma2}
+    _compile_for_hopper(
+        _paged_attention_kernel, pointers, {**config, **flags, "NUM_SPLITS": splits}
+    )
     if splits > 1:
         pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": elem}
         _compile_for_hopper(_merge_splits_kernel, pointers, _merge_config(heads, splits, head_dim))
@@ -522,6 +646,10 @@ def _bad_attention_inputs() -> list[tuple[str, dict[str, object], str]]:
         ("seq < q", {"seq_lens": torch.tensor([4, 3], dtype=torch.int32)}, "seq_lens"),
         ("block id", {"block_tables": torch.full_like(bt, 99)}, "outside"),
         ("device", {"q": q.to("meta")}, "one device"),
+        ("window 0", {"sliding_window": 0}, "sliding_window must be"),
+        ("window float", {"sliding_window": 4.0}, "sliding_window must be"),
+        ("softcap", {"softcap": 0.0}, "softcap must be"),
+        ("softcap inf", {"softcap": float("inf")}, "softcap must be"),
     ]
 
 
@@ -613,6 +741,18 @@ def test_cuda_kernel_matches_reference(
             torch.testing.assert_close(
                 out, expected, atol=atol, rtol=rtol, msg=f"{specs} splits={num_splits}"
             )
+        # Gemma 2's attention: a sliding window (released blocks hold NaN) and a soft-cap.
+        for window, softcap in ((100, None), (1000, 50.0), (None, 20.0)):
+            b = make_batch(
+                specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                dtype=dtype, device="cuda", seed=seed, sliding_window=window, softcap=softcap,
+            )  # fmt: skip
+            expected = b.reference()
+            for num_splits in (None, 1, 5):
+                torch.testing.assert_close(
+                    b.kernel(num_splits), expected, atol=atol, rtol=rtol,
+                    msg=f"{specs} window={window} softcap={softcap} splits={num_splits}",
+                )  # fmt: skip
 
 
 @gpu

@@ -1,6 +1,8 @@
 """Fixtures for tests against a real Kubernetes control plane (see docs/test-cluster.md).
 
-- ``cluster`` (session): builds the binaries if they are not cached, starts etcd, the API server,
+- ``binaries`` (session): the cached binaries (built if missing), for helm lint/template tests
+  that need no running control plane.
+- ``cluster`` (session): the binaries, then starts etcd, the API server,
   controller manager, scheduler and kwok once per session, and stops them at the end.
 - ``namespace`` (function): a fresh namespace per test, deleted afterwards.
 - ``crds`` (session): the repository's CRDs (crds/) applied with kubectl and Established.
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from tests.cluster import ControlPlane, GoUnavailable, ensure_binaries
+from tests.cluster import Binaries, ControlPlane, GoUnavailable, ensure_binaries
 
 if TYPE_CHECKING:
     from tests.cluster.client import ClusterHandle
@@ -46,22 +48,27 @@ def _unavailable(reason: str) -> NoReturn:
 
 
 @pytest.fixture(scope="session")
-def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
+def binaries(request: pytest.FixtureRequest) -> Binaries:
+    """The cached control-plane binaries (built on first use), for tests that need only a tool
+    such as helm (lint, template) and no running control plane."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    # A cold build takes many minutes; show Go's progress instead of a silent hang.
+    show = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    try:
+        with show:
+            return ensure_binaries()
+    except GoUnavailable as err:
+        _unavailable(str(err))
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, binaries: Binaries) -> Iterator[ClusterHandle]:
     """A running control plane; yields a ``tests.cluster.client.ClusterHandle``."""
     global _ACTIVE
     try:
         from tests.cluster import client as handles
     except ImportError as err:  # the `kubernetes` package is part of the [operator] extra
         _unavailable(f"python package missing: {err}")
-
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    # A cold build takes many minutes; show Go's progress instead of a silent hang.
-    show = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
-    try:
-        with show:
-            binaries = ensure_binaries()
-    except GoUnavailable as err:
-        _unavailable(str(err))
 
     control_plane = ControlPlane(binaries)
     control_plane.start()  # on failure it stops itself and the error carries the log tails

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from quire_operator.config import OperatorConfig
-from quire_operator.deployment import MANAGED_FLAGS, build_deployment, engine_args
+from quire_operator.deployment import (
+    API_KEY_ENV,
+    MANAGED_FLAGS,
+    REFUSED_FLAGS,
+    build_deployment,
+    engine_args,
+)
 from quire_operator.objects import build_hpa, build_pdb, build_service, quantity
 from quire_operator.spec import InferenceService, ModelKind, parse
 from tests.operator_tests.helpers import inference_service, load_crd, load_example
@@ -72,7 +78,24 @@ def example_args() -> list[str]:
         "--enable-prefix-caching",
         "--preemption-mode", "recompute",
         "--log-format", "json",
+        "--shutdown-timeout", "30",
     ]  # fmt: skip
+
+
+HARDENED = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+SCRATCH_MOUNTS = [
+    {"name": "tmp", "mountPath": "/tmp"},
+    {"name": "home", "mountPath": "/home/quire"},
+]
+SCRATCH_VOLUMES = [
+    {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
+    {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
+]
+SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
 
 
 def test_example_deployment_is_exactly_this() -> None:
@@ -96,6 +119,9 @@ def test_example_deployment_is_exactly_this() -> None:
                 },
                 "spec": {
                     "enableServiceLinks": False,
+                    "automountServiceAccountToken": False,
+                    # preStop 5 s + drain 30 s + margin 5 s
+                    "terminationGracePeriodSeconds": 40,
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": 10001,
@@ -127,15 +153,16 @@ def test_example_deployment_is_exactly_this() -> None:
                                 **probe,
                                 "failureThreshold": 6,
                             },
-                            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
+                            "volumeMounts": [
+                                {"name": "dshm", "mountPath": "/dev/shm"},
+                                *SCRATCH_MOUNTS,
+                            ],
+                            "securityContext": HARDENED,
+                            "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
                             "resources": {"limits": {"nvidia.com/gpu": "1"}},
                         }
                     ],
-                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                    "volumes": [SHM_VOLUME, *SCRATCH_VOLUMES],
                     "tolerations": [GPU_TOLERATION],
                 },
             },
@@ -174,6 +201,7 @@ def test_engine_settings_become_flags() -> None:
         "--no-enable-prefix-caching",
         "--preemption-mode", "swap",
         "--log-format", "json",
+        "--shutdown-timeout", "30",
         "--max-num-batched-tokens", "8192",
         "--max-model-len", "4096",
         "--swap-space", "8.5",
@@ -212,13 +240,57 @@ def test_engine_args_parse_with_the_engines_own_parser() -> None:
         "swap",
     )
     assert (args.swap_space, args.max_model_len, args.log_format) == (2.0, 2048, "json")
+    assert args.shutdown_timeout == 30  # the drain the pod's grace period is sized for
+    # The API key's variable (deployment.API_KEY_ENV) is the engine's env name of --api-key.
+    assert serve.env_name("--api-key") == API_KEY_ENV
 
 
-def test_managed_flags_match_the_crd_rule_on_extra_args() -> None:
+def test_refused_flags_match_the_crd_rule_on_extra_args() -> None:
     (version,) = load_crd()["spec"]["versions"]
     engine = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
     (rule,) = engine["properties"]["extraArgs"]["x-kubernetes-validations"]
-    assert tuple(re.findall(r"'(--[a-z-]+)'", rule["rule"])) == MANAGED_FLAGS
+    assert tuple(re.findall(r"'(--[a-z-]+)'", rule["rule"])) == REFUSED_FLAGS
+    assert (*MANAGED_FLAGS, "--api-key") == REFUSED_FLAGS
+
+
+def test_api_key_comes_from_the_secret_as_an_env_var_only() -> None:
+    protected = isvc(apiKeySecretRef={"name": "llm-key"})
+    (container,) = build_deployment(protected, OperatorConfig())["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert container["env"] == [
+        {
+            "name": "QUIRE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "api-key"}},
+        }
+    ]
+    assert not any("api-key" in arg or "llm-key" in arg for arg in container["args"])
+    assert (
+        "env"
+        not in build_deployment(isvc(), OperatorConfig())["spec"]["template"]["spec"]["containers"][
+            0
+        ]
+    )
+
+
+def test_shutdown_fields_set_the_drain_the_pre_stop_sleep_and_the_grace_period() -> None:
+    engine = {"shutdownTimeoutSeconds": 120, "preStopDelaySeconds": 10}
+    pod = build_deployment(isvc(engine=engine), OperatorConfig())["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][container["args"].index("--shutdown-timeout") + 1] == "120"
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 10}}}
+    assert pod["terminationGracePeriodSeconds"] == 10 + 120 + 5
+    # No delay: no lifecycle hook at all, and the grace period is the drain plus the margin.
+    engine = {"shutdownTimeoutSeconds": 0, "preStopDelaySeconds": 0}
+    pod = build_deployment(isvc(engine=engine), OperatorConfig())["spec"]["template"]["spec"]
+    assert "lifecycle" not in pod["containers"][0]
+    assert pod["terminationGracePeriodSeconds"] == 5
+
+
+def test_shared_memory_limit_is_the_spec_quantity() -> None:
+    sized = isvc(resources={"gpus": 1, "sharedMemory": "8Gi"})
+    volumes = build_deployment(sized, OperatorConfig())["spec"]["template"]["spec"]["volumes"]
+    assert volumes[0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
 
 
 def test_cpu_only_service_has_no_gpu_limit_or_toleration() -> None:
@@ -276,20 +348,15 @@ def test_hf_model_is_downloaded_by_an_init_container_with_the_secret_token() -> 
                     "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
                 },
             ],
-            "volumeMounts": [{"name": "model", "mountPath": "/models"}],
-            "securityContext": {
-                "allowPrivilegeEscalation": False,
-                "capabilities": {"drop": ["ALL"]},
-            },
+            "volumeMounts": [{"name": "model", "mountPath": "/models"}, *SCRATCH_MOUNTS],
+            "securityContext": HARDENED,
         }
     ]
-    assert pod["volumes"] == [
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        {"name": "model", "emptyDir": {}},
-    ]
+    assert pod["volumes"] == [SHM_VOLUME, *SCRATCH_VOLUMES, {"name": "model", "emptyDir": {}}]
     (engine,) = pod["containers"]
     assert engine["volumeMounts"] == [
         {"name": "dshm", "mountPath": "/dev/shm"},
+        *SCRATCH_MOUNTS,
         {"name": "model", "mountPath": "/models"},
     ]
     assert engine["args"][1:5] == [
@@ -310,12 +377,12 @@ def test_hf_model_is_downloaded_by_an_init_container_with_the_secret_token() -> 
 )
 def test_pvc_model_is_mounted_read_only(uri: str, model_arg: str, claim: str) -> None:
     pod = build_deployment(isvc(model={"uri": uri}), OperatorConfig())["spec"]["template"]["spec"]
-    assert pod["volumes"][1] == {
+    assert pod["volumes"][-1] == {
         "name": "model",
         "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
     }
     (engine,) = pod["containers"]
-    assert engine["volumeMounts"][1] == {"name": "model", "mountPath": "/models", "readOnly": True}
+    assert engine["volumeMounts"][-1] == {"name": "model", "mountPath": "/models", "readOnly": True}
     assert engine["args"][2] == model_arg
     assert "initContainers" not in pod
 

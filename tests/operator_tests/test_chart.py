@@ -4,7 +4,8 @@ Files first (no cluster): the chart's CRDs are copies of crds/, values.yaml and 
 the same keys, the Grafana dashboard and the prometheus-adapter rules name only series the engine
 exports. Then helm itself (marked ``cluster``): lint, renders the API server accepts in a
 server-side dry run (defaults, and a values file that sets every key), schema errors as a user
-sees them, and the PodMonitor/ServiceMonitor against the Prometheus Operator's real CRDs.
+sees them, and the PodMonitor/ServiceMonitor against the Prometheus Operator's real CRDs. Only
+the dry runs start the control plane; lint and template need just the cached helm binary.
 
 The install, RBAC and upgrade/uninstall tests live in test_chart_install.py.
 """
@@ -27,8 +28,8 @@ from quire_operator import meta
 from quire_operator.deployment import PORT_NAME
 from quire_operator.objects import KV_CACHE_METRIC, PREEMPTION_METRIC, QUEUE_METRIC
 from quire_operator.settings import operator_settings
-from tests.cluster.build import K8S_VERSION
-from tests.cluster.client import ClusterHandle
+from tests.cluster.build import K8S_VERSION, Binaries
+from tests.cluster.client import ClusterHandle, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "quire"
@@ -250,10 +251,25 @@ def test_dashboard_layout_is_a_valid_grid() -> None:
 # ------------------------------------------------------------------------------ helm, a cluster
 
 
+# helm lint and helm template never contact a cluster: these tests take only the cached binaries
+# (the ``binaries`` fixture), and only the server-side dry runs start the control plane.
+NAMESPACE = "quire-system"
+
+
+def helm(binaries: Binaries, *args: str) -> subprocess.CompletedProcess[str]:
+    """The cached helm with no kubeconfig at all (output captured, never raises)."""
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    return subprocess.run(
+        [str(binaries.helm), *args], capture_output=True, text=True, env=env, timeout=120,
+        check=False,
+    )  # fmt: skip
+
+
 def helm_template(
-    cluster: ClusterHandle, namespace: str, *args: str
+    binaries: Binaries, namespace: str, *args: str
 ) -> subprocess.CompletedProcess[str]:
-    return cluster.helm(
+    return helm(
+        binaries,
         "template",
         RELEASE,
         str(CHART),
@@ -265,8 +281,8 @@ def helm_template(
     )
 
 
-def render(cluster: ClusterHandle, namespace: str, *args: str) -> list[Any]:
-    proc = helm_template(cluster, namespace, *args)
+def render(binaries: Binaries, namespace: str, *args: str) -> list[Any]:
+    proc = helm_template(binaries, namespace, *args)
     assert proc.returncode == 0, proc.stderr
     return load_all(proc.stdout)
 
@@ -293,9 +309,9 @@ def server_dry_run(cluster: ClusterHandle, docs: list[Any]) -> list[str]:
 
 
 @pytest.mark.cluster
-def test_helm_lint_is_clean(cluster: ClusterHandle) -> None:
+def test_helm_lint_is_clean(binaries: Binaries) -> None:
     for extra in ([], ["--values", str(FULL_VALUES)]):
-        proc = cluster.helm("lint", "--strict", str(CHART), *extra)
+        proc = helm(binaries, "lint", "--strict", str(CHART), *extra)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.splitlines() == [
             "==> Linting " + str(CHART),
@@ -308,7 +324,7 @@ def test_helm_lint_is_clean(cluster: ClusterHandle) -> None:
 def test_default_render_is_accepted_by_the_api_server(
     cluster: ClusterHandle, namespace: str
 ) -> None:
-    docs = render(cluster, namespace)
+    docs = render(cluster.binaries, namespace)
     operator = f"{RELEASE}-operator"
     assert kinds(docs) == [
         ("ClusterRole", operator),
@@ -398,7 +414,7 @@ def test_full_values_render_is_accepted_by_the_api_server(
         f"--set={key}={namespace}"
         for key in ("operator.watchNamespace", "adapterRules.namespace", "dashboard.namespace")
     ]
-    docs = render(cluster, namespace, "--values", str(FULL_VALUES), *here)
+    docs = render(cluster.binaries, namespace, "--values", str(FULL_VALUES), *here)
     operator = f"{RELEASE}-operator"
     # Namespaced mode: a Role and RoleBinding in the watched namespace, nothing cluster-wide.
     assert kinds(docs) == [
@@ -410,6 +426,8 @@ def test_full_values_render_is_accepted_by_the_api_server(
         ("RoleBinding", operator),
         ("ServiceAccount", "quire-operator-sa"),
         ("ServiceMonitor", f"{RELEASE}-engine"),
+        ("ValidatingAdmissionPolicy", f"{RELEASE}-engine-images"),
+        ("ValidatingAdmissionPolicyBinding", f"{RELEASE}-engine-images"),
     ]
     accepted = server_dry_run(cluster, docs)
     assert len(accepted) == len(docs)
@@ -439,14 +457,12 @@ def test_full_values_render_is_accepted_by_the_api_server(
 
 
 @pytest.mark.cluster
-def test_monitors_render_only_when_the_api_exists_or_asked(
-    cluster: ClusterHandle, namespace: str
-) -> None:
+def test_monitors_render_only_when_the_api_exists_or_asked(binaries: Binaries) -> None:
     monitoring = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
 
     def monitor_kinds(*args: str) -> list[str]:
         return sorted(
-            d["kind"] for d in render(cluster, namespace, *args) if "Monitor" in d["kind"]
+            d["kind"] for d in render(binaries, NAMESPACE, *args) if "Monitor" in d["kind"]
         )
 
     assert monitor_kinds() == []
@@ -457,9 +473,7 @@ def test_monitors_render_only_when_the_api_exists_or_asked(
 
 
 @pytest.mark.cluster
-def test_schema_rejects_bad_values_with_readable_messages(
-    cluster: ClusterHandle, namespace: str
-) -> None:
+def test_schema_rejects_bad_values_with_readable_messages(binaries: Binaries) -> None:
     bad = [
         "--set", "operator.replicas=0",
         "--set", "operator.replica=2",
@@ -467,7 +481,7 @@ def test_schema_rejects_bad_values_with_readable_messages(
         "--set", "monitoring.podMonitor.enabled=maybe",
         "--set", "image.tag=latest build",
     ]  # fmt: skip
-    proc = helm_template(cluster, namespace, *bad)
+    proc = helm_template(binaries, NAMESPACE, *bad)
     assert proc.returncode == 1
     assert proc.stdout == ""
     lines = [line for line in proc.stderr.splitlines() if line]
@@ -491,10 +505,12 @@ def test_schema_rejects_bad_values_with_readable_messages(
 
 @pytest.mark.cluster
 def test_adapter_rules_serve_exactly_the_metrics_the_operator_hpas_use(
-    cluster: ClusterHandle, namespace: str
+    binaries: Binaries,
 ) -> None:
     (configmap,) = [
-        d for d in render(cluster, namespace) if d["metadata"]["name"] == f"{RELEASE}-adapter-rules"
+        d
+        for d in render(binaries, NAMESPACE)
+        if d["metadata"]["name"] == f"{RELEASE}-adapter-rules"
     ]
     rules = yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
     exposed = {rule["name"]["as"]: rule for rule in rules}
@@ -520,12 +536,10 @@ def test_adapter_rules_serve_exactly_the_metrics_the_operator_hpas_use(
 
 
 @pytest.mark.cluster
-def test_monitors_select_the_engine_pods_the_operator_makes(
-    cluster: ClusterHandle, namespace: str
-) -> None:
+def test_monitors_select_the_engine_pods_the_operator_makes(binaries: Binaries) -> None:
     both = [f"--set=monitoring.{kind}.enabled=true" for kind in ("podMonitor", "serviceMonitor")]
     monitors = {
-        d["kind"]: d["spec"] for d in render(cluster, namespace, *both) if "Monitor" in d["kind"]
+        d["kind"]: d["spec"] for d in render(binaries, NAMESPACE, *both) if "Monitor" in d["kind"]
     }
     engine_labels = meta.labels("any-service")
     for kind, endpoints in (("PodMonitor", "podMetricsEndpoints"), ("ServiceMonitor", "endpoints")):
@@ -538,13 +552,14 @@ def test_monitors_select_the_engine_pods_the_operator_makes(
 
 
 @pytest.mark.cluster
-def test_yaml_lookalike_names_stay_strings(cluster: ClusterHandle) -> None:
+def test_yaml_lookalike_names_stay_strings(binaries: Binaries) -> None:
     # A release "y" in namespace "on" watching namespace "no": YAML 1.1 reads all three as
     # booleans unless the templates quote them.
     args = ["--set", "operator.watchNamespace=no", "--set", "monitoring.podMonitor.enabled=true"]
-    proc = cluster.helm(
-        "template", "y", str(CHART), "--namespace", "on", "--kube-version", K8S_VERSION, *args
-    )
+    proc = helm(
+        binaries,
+        "template", "y", str(CHART), "--namespace", "on", "--kube-version", K8S_VERSION, *args,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     for doc in load_all(proc.stdout):
         metadata = doc["metadata"]
@@ -581,3 +596,55 @@ def test_examples_are_valid_inference_services(cluster: ClusterHandle, namespace
         "autoscaling"
     ].keys()
     assert specs["qwen-0-5b-mig"]["resources"]["gpuResourceName"] == "nvidia.com/mig-1g.10gb"
+
+
+@pytest.mark.cluster
+def test_engine_image_allow_list_is_enforced_by_the_api_server(
+    cluster: ClusterHandle, namespace: str
+) -> None:
+    allowed = "--set=admission.allowedEngineImages={registry.example.com/quire/}"
+    assert not [d for d in render(cluster.binaries, namespace) if "Admission" in d["kind"]]
+    docs = [d for d in render(cluster.binaries, namespace, allowed) if "Admission" in d["kind"]]
+    assert [d["kind"] for d in docs] == [
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
+    manifest = yaml.safe_dump_all(docs)
+    applied = subprocess.run(
+        [str(cluster.binaries.kubectl), "apply", "-f", "-"], input=manifest, text=True,
+        capture_output=True, env=cluster.env(), timeout=60, check=False,
+    )  # fmt: skip
+    assert applied.returncode == 0, applied.stderr
+    try:
+
+        def create(name: str, image: str | None) -> subprocess.CompletedProcess[str]:
+            engine = {} if image is None else {"image": image}
+            body = {
+                "apiVersion": f"{meta.GROUP}/{meta.VERSION}",
+                "kind": meta.KIND,
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"model": {"uri": "tiny"}, "engine": engine},
+            }
+            return subprocess.run(
+                [str(cluster.binaries.kubectl), "create", "--dry-run=server", "-f", "-"],
+                input=json.dumps(body), text=True, capture_output=True, env=cluster.env(),
+                timeout=60, check=False,
+            )  # fmt: skip
+
+        # The API server picks a new policy up within a second or two.
+        refused = wait_for(
+            "the policy to refuse a foreign image",
+            lambda: create("foreign", "docker.io/someone/miner:latest"),
+            lambda proc: proc.returncode != 0,
+            timeout_s=30,
+        )
+        assert (
+            "spec.engine.image docker.io/someone/miner:latest is not allowed here: it must start "
+            "with one of registry.example.com/quire/"
+        ) in refused.stderr
+        assert create("ours", "registry.example.com/quire/quire-engine:0.1.0").returncode == 0
+        assert create("default", None).returncode == 0  # the operator's own engine image
+    finally:
+        for doc in reversed(docs):
+            kind = doc["kind"].lower()
+            cluster.kubectl("delete", "--ignore-not-found", kind, doc["metadata"]["name"])

@@ -49,8 +49,9 @@ def rule(group: str, resource: str, *verbs: str) -> dict[str, Any]:
 NAMESPACED_RULES = [
     rule("quire.dev", "inferenceservices", "get", "list", "watch", "patch"),
     rule("quire.dev", "inferenceservices/status", "patch"),
+    rule("quire.dev", "inferenceservices/finalizers", "update"),
     rule("apps", "deployments", "get", "list", "watch", "create", "patch"),
-    rule("", "services", "list", "watch", "create", "patch"),
+    rule("", "services", "get", "list", "watch", "create", "patch"),
     rule(
         "autoscaling",
         "horizontalpodautoscalers",
@@ -63,13 +64,12 @@ NAMESPACED_RULES = [
     ),
     rule("policy", "poddisruptionbudgets", "get", "list", "watch", "create", "patch", "delete"),
     rule("", "pods", "list", "watch"),
-    rule("", "secrets", "get"),
     rule("", "events", "create"),
 ]
 
 
 def peering_rule(plural: str) -> dict[str, Any]:
-    return rule("kopf.dev", plural, "list", "watch", "create", "patch")
+    return rule("kopf.dev", plural, "get", "list", "watch", "create", "patch")
 
 
 @dataclass
@@ -149,10 +149,14 @@ def release(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[
 
 @pytest.fixture
 def workload(cluster: ClusterHandle) -> Iterator[str]:
-    """A second namespace, where the InferenceServices go (not the operator's namespace)."""
+    """A second namespace, where the InferenceServices go (not the operator's namespace), that
+    admits only pods meeting the "restricted" Pod Security Standard."""
     name = f"w-{uuid.uuid4().hex[:10]}"
     created = cluster.kubectl("create", "namespace", name)
     assert created.returncode == 0, created.stderr
+    restricted = "pod-security.kubernetes.io/enforce=restricted"
+    labelled = cluster.kubectl("label", "namespace", name, restricted)
+    assert labelled.returncode == 0, labelled.stderr
     try:
         yield name
     finally:
@@ -295,6 +299,15 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         assert peering["metadata"]["name"] == operator
         log = process.log_path.read_text()
     assert not forbidden_lines(log), "\n".join(forbidden_lines(log))
+    # With OwnerReferencesPermissionEnforcement on (tests/cluster/launcher.py), these owner
+    # references were admitted only because the chart grants update on the finalizers.
+    tiny = cluster.json(cluster.apps.read_namespaced_deployment("tiny-cpu", workload))
+    (owner,) = tiny["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["controller"], owner["blockOwnerDeletion"]) == (
+        "InferenceService",
+        True,
+        True,
+    )
 
     # Not broader: what the ServiceAccount may and may not do, asked as itself.
     allowed = [
@@ -303,12 +316,13 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         ("patch", "deployments.apps", "-n", workload),
         ("delete", "horizontalpodautoscalers.autoscaling", "-n", workload),
         ("watch", "pods", "--all-namespaces"),
-        ("get", "secrets", "-n", workload),
+        ("update", "inferenceservices.quire.dev", "--subresource=finalizers", "-n", workload),
         ("create", "events", "-n", workload),
         ("create", "clusterkopfpeerings.kopf.dev"),
     ]
     denied = [
         ("*", "*", "--all-namespaces"),
+        ("get", "secrets", "-n", workload),
         ("list", "secrets", "--all-namespaces"),
         ("list", "secrets", "-n", workload),
         ("watch", "secrets", "-n", workload),
@@ -319,6 +333,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         ("delete", "deployments.apps", "-n", workload),
         ("update", "deployments.apps", "-n", workload),
         ("create", "inferenceservices.quire.dev", "-n", workload),
+        ("update", "inferenceservices.quire.dev", "-n", workload),
         ("delete", "inferenceservices.quire.dev", "-n", workload),
         ("create", "namespaces"),
         ("list", "namespaces"),

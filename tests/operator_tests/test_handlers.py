@@ -1,6 +1,6 @@
 """Unit tests of the operator's wiring: child-event routing and the command line.
 
-``ChildEvents`` gets a recording stand-in for the reconciler (the Kubernetes API is not involved
+``ChildEvents`` gets a recording stand-in for ``Requeue.run`` (the Kubernetes API is not involved
 at all here; the cluster tests cover the real thing).
 """
 
@@ -20,7 +20,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def reconcile(self, namespace: str, name: str) -> None:
+    def run(self, namespace: str, name: str) -> None:
         self.calls.append((namespace, name))
 
 
@@ -35,7 +35,7 @@ def event(kind: str | None, uid: str = "u1", generation: int = 1, **labels: str)
 
 
 def routed(recorder: Recorder) -> ChildEvents:
-    return ChildEvents(recorder)  # type: ignore[arg-type]  # duck-typed: only reconcile()
+    return ChildEvents(recorder.run)
 
 
 def test_every_deployment_and_pod_event_reconciles_the_owner() -> None:
@@ -73,6 +73,7 @@ def test_command_line_scope_and_defaults() -> None:
     assert (args.namespaces, args.all_namespaces) == (["a", "b"], False)
     assert (args.peering, args.standalone, args.priority) == ("quire-operator", False, None)
     assert (args.liveness, args.peering_lifetime) == ("http://0.0.0.0:8080/healthz", 60)
+    assert args.resync_seconds == 300
     assert parser.parse_args(["-A", "--standalone"]).all_namespaces
     with pytest.raises(SystemExit):
         parser.parse_args([])  # a scope is required: never "everything" by accident

@@ -24,125 +24,31 @@ from quire_operator.objects import build_hpa, build_pdb, build_service
 from quire_operator.spec import parse
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.nodes import GPU_NODE
+from tests.operator_tests.api import (
+    MERGE,
+    NAME,
+    assert_applied,
+    condition,
+    create_example,
+    create_isvc,
+    deployment,
+    engine_args,
+    events,
+    flag,
+    get_isvc,
+    hpa,
+    operator_apply_fields,
+    patch_spec,
+    pdb,
+    ready,
+    service,
+)
 from tests.operator_tests.harness import GarbageCollectorProbe, Operators
 from tests.operator_tests.helpers import EXAMPLE_PATH, load_example, root_schema, with_defaults
 
 pytestmark = pytest.mark.cluster
-
-NAME = "tiny"  # the example's name
-MERGE = "application/merge-patch+json"
 # Drift must be repaired "within seconds": the operator reacts to the watch event itself.
 REPAIR_S = 10
-
-
-# --- small API helpers (manifests and patches are plain dicts, as they read in YAML) ---
-
-
-def get_isvc(cluster: ClusterHandle, namespace: str, name: str = NAME) -> Any:
-    return cluster.custom.get_namespaced_custom_object(
-        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, name
-    )
-
-
-def create_isvc(cluster: ClusterHandle, namespace: str, body: dict[str, Any]) -> Any:
-    return cluster.custom.create_namespaced_custom_object(
-        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, body
-    )
-
-
-def patch_spec(cluster: ClusterHandle, namespace: str, spec: dict[str, Any]) -> Any:
-    return cluster.custom.patch_namespaced_custom_object(
-        meta.GROUP, meta.VERSION, namespace, meta.PLURAL, NAME, {"spec": spec}, _content_type=MERGE
-    )
-
-
-def condition(obj: Any, kind: str) -> Any:
-    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
-
-
-def read_json(cluster: ClusterHandle, read: Any, namespace: str, name: str = NAME) -> Any:
-    """``read(name, namespace)`` as JSON, or None when it does not exist."""
-    try:
-        return cluster.json(read(name, namespace))
-    except ApiException as err:
-        if err.status == 404:
-            return None
-        raise
-
-
-def deployment(cluster: ClusterHandle, namespace: str) -> Any:
-    return read_json(cluster, cluster.apps.read_namespaced_deployment, namespace)
-
-
-def hpa(cluster: ClusterHandle, namespace: str) -> Any:
-    read = cluster.autoscaling.read_namespaced_horizontal_pod_autoscaler
-    return read_json(cluster, read, namespace)
-
-
-def pdb(cluster: ClusterHandle, namespace: str) -> Any:
-    from kubernetes import client
-
-    read = client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget
-    return read_json(cluster, read, namespace)
-
-
-def service(cluster: ClusterHandle, namespace: str) -> Any:
-    return read_json(cluster, cluster.core.read_namespaced_service, namespace)
-
-
-def engine_args(deployment: Any) -> list[str]:
-    args: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    return args
-
-
-def flag(deployment: Any, name: str) -> str:
-    args = engine_args(deployment)
-    return args[args.index(name) + 1]
-
-
-def operator_apply_fields(obj: Any) -> Any:
-    """The fields the operator's server-side apply owns (its managedFields entry)."""
-    (entry,) = [
-        m
-        for m in obj["metadata"]["managedFields"]
-        if m["manager"] == meta.FIELD_MANAGER and m["operation"] == "Apply"
-    ]
-    return entry["fieldsV1"]
-
-
-def assert_applied(live: Any, wanted: Any, path: str = "") -> None:
-    """Every field of the applied configuration ``wanted`` is in ``live`` with that value
-    (the API server adds defaults and status around them)."""
-    if isinstance(wanted, dict):
-        assert isinstance(live, dict), f"{path}: {live!r} is not an object"
-        for key, value in wanted.items():
-            assert key in live, f"{path}.{key} missing from {sorted(live)}"
-            assert_applied(live[key], value, f"{path}.{key}")
-    elif isinstance(wanted, list):
-        assert isinstance(live, list) and len(live) == len(wanted), f"{path}: {live!r}"
-        for index, (got, want) in enumerate(zip(live, wanted, strict=True)):
-            assert_applied(got, want, f"{path}[{index}]")
-    else:
-        assert live == wanted, f"{path}: {live!r} != {wanted!r}"
-
-
-def ready(cluster: ClusterHandle, namespace: str, generation: int = 1, name: str = NAME) -> Any:
-    """Wait until the status reports ``generation`` reconciled, rolled out and Ready."""
-    return wait_for(
-        f"{name} Ready with generation {generation} rolled out",
-        lambda: get_isvc(cluster, namespace, name),
-        lambda obj: (
-            obj.get("status", {}).get("observedGeneration") == generation
-            and condition(obj, "Ready").get("status") == "True"
-            and condition(obj, "Progressing").get("status") == "False"
-        ),
-        timeout_s=60,
-    )
-
-
-def create_example(cluster: ClusterHandle, namespace: str) -> Any:
-    create_isvc(cluster, namespace, load_example())
-    return ready(cluster, namespace)
 
 
 # --- the acceptance tests ---
@@ -207,8 +113,8 @@ def test_readme_example_reconciles_to_ready_children(
     table = cluster.kubectl("get", "qis", "-n", namespace)
     assert table.returncode == 0, table.stderr
     header, row = (line.split() for line in table.stdout.splitlines())
-    assert header == ["NAME", "READY", "REPLICAS", "URL", "AGE"]
-    assert row[:4] == [NAME, "True", "1", url]
+    assert header == ["NAME", "READY", "REPLICAS", "URL", "AUTH", "AGE"]
+    assert row[:5] == [NAME, "True", "1", url, "None"]
 
 
 def test_spec_update_is_followed_and_observed_generation_advances(
@@ -268,9 +174,11 @@ def test_hpa_owns_replicas_when_autoscaling_and_the_spec_otherwise(
         lambda status: status["replicas"] == status["readyReplicas"] == 3,
         timeout_s=60,
     )
-    # ...and having done so, it left the scaling decision alone.
+    # ...and having done so, it left the scaling decision alone, and said so once.
     live = deployment(cluster, namespace)
     assert live["spec"]["replicas"] == 3
+    scaled = [e for e in events(cluster, namespace) if e[1] == "Scaled"]
+    assert scaled == [("Normal", "Scaled")]
     assert "f:replicas" not in operator_apply_fields(live)["f:spec"]
 
     patch_spec(cluster, namespace, {"autoscaling": {"enabled": False}, "replicas": 2})
@@ -364,8 +272,19 @@ def test_drift_is_repaired_within_seconds(
             "spec.engine.extraArgs: Invalid value: extraArgs must not repeat flags the operator "
             "sets from the spec",
         ),
+        (
+            {"engine": {"extraArgs": ["--api-key", "hunter2"]}},
+            "or carry an API key (--api-key: use spec.apiKeySecretRef)",
+        ),
     ],
-    ids=["min-above-max", "block-size-24", "gpu-memory-1.5", "unknown-preemption", "extra-port"],
+    ids=[
+        "min-above-max",
+        "block-size-24",
+        "gpu-memory-1.5",
+        "unknown-preemption",
+        "extra-port",
+        "extra-api-key",
+    ],
 )  # fmt: skip
 def test_invalid_specs_are_rejected_by_the_api_server(
     cluster: ClusterHandle,
@@ -384,48 +303,51 @@ def test_invalid_specs_are_rejected_by_the_api_server(
     assert message in text, text
 
 
-def test_missing_secret_degrades_and_recovers_once_it_exists(
+def test_a_missing_secret_degrades_with_the_kubelets_words_and_no_secret_is_read(
     cluster: ClusterHandle, namespace: str, operators: Operators
 ) -> None:
     operators.start()
     model = {"uri": "hf://org/gated-model", "hfTokenSecretRef": {"name": "hf-token"}}
-    create_isvc(cluster, namespace, {**load_example(), "spec": {"model": model}})
-
-    def degraded(reason: str) -> Any:
-        return wait_for(
-            f"Degraded={reason}",
-            lambda: get_isvc(cluster, namespace),
-            lambda obj: condition(obj, "Degraded").get("reason") == reason,
-            timeout_s=30,
-        )
-
-    isvc = degraded("SecretNotFound")
-    missing = (
-        f'Secret "hf-token" (spec.model.hfTokenSecretRef) not found in namespace "{namespace}"'
-    )
-    assert [(c["type"], c["status"], c["message"]) for c in isvc["status"]["conditions"]] == [
-        ("Ready", "False", missing),
-        ("Progressing", "False", missing),
-        ("Degraded", "True", missing),
-    ]
-    assert deployment(cluster, namespace) is None  # nothing that cannot start was created
-
-    secret = {"metadata": {"name": "hf-token"}, "stringData": {"hf_token": "x"}}
-    cluster.core.create_namespaced_secret(namespace, secret)
-    isvc = degraded("SecretKeyNotFound")
-    assert condition(isvc, "Degraded")["message"] == (
-        'Secret "hf-token" (spec.model.hfTokenSecretRef) has no key "token"'
-    )
-
-    cluster.core.patch_namespaced_secret("hf-token", namespace, {"stringData": {"token": "x"}})
+    spec = {"model": model, "apiKeySecretRef": {"name": "llm-key"}}
+    create_isvc(cluster, namespace, {**load_example(), "spec": spec})
+    # The operator reads no Secret (it may not): the Deployment is made at once, naming them.
     isvc = ready(cluster, namespace)
-    assert condition(isvc, "Degraded")["status"] == "False"
-    init = deployment(cluster, namespace)["spec"]["template"]["spec"]["initContainers"][0]
+    assert isvc["status"]["auth"] == "APIKey"
+    pod_spec = deployment(cluster, namespace)["spec"]["template"]["spec"]
     token = {
         "name": "HF_TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
     }
-    assert token in init["env"]
+    assert token in pod_spec["initContainers"][0]["env"]
+
+    # The kubelet's report when the engine container restarts and the Secret is gone (kwok
+    # plays a kubelet that does not check Secrets, so the test writes it as the kubelet would).
+    (pod,) = cluster.core.list_namespaced_pod(
+        namespace, label_selector=meta.selector_string(NAME)
+    ).items
+    message = 'secret "llm-key" not found'
+    waiting = {"reason": "CreateContainerConfigError", "message": message}
+    kubelet_status = {
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False"},
+                           {"type": "ContainersReady", "status": "False"}],
+            "containerStatuses": [
+                {"name": "engine", "image": pod.spec.containers[0].image, "imageID": "",
+                 "ready": False, "restartCount": 1, "state": {"waiting": waiting}},
+            ],
+        }
+    }  # fmt: skip
+    cluster.core.patch_namespaced_pod_status(pod.metadata.name, namespace, kubelet_status)
+    isvc = wait_for(
+        "Degraded=CreateContainerConfigError",
+        lambda: get_isvc(cluster, namespace),
+        lambda obj: condition(obj, "Degraded").get("reason") == "CreateContainerConfigError",
+        timeout_s=30,
+    )
+    where = f"pod {pod.metadata.name}, container engine"
+    assert condition(isvc, "Degraded")["message"] == f"{where}: {message}"
+    assert condition(isvc, "Ready")["reason"] == "NoReplicaReady"
 
 
 def test_unschedulable_replicas_degrade_with_the_schedulers_reason(
@@ -474,8 +396,10 @@ def test_operator_restart_mid_way_converges(
 def test_two_operators_do_not_fight(
     cluster: ClusterHandle, namespace: str, operators: Operators
 ) -> None:
-    active = operators.start("--priority", "20", name="active")
-    standby = operators.start("--priority", "10", name="standby")
+    # A resync every second, so the standby would show it if it did not honour the peering.
+    resync = ("--resync-seconds", "1")
+    active = operators.start("--priority", "20", *resync, name="active")
+    standby = operators.start("--priority", "10", *resync, name="standby")
     # Both keep-alives are in the peering object; the lower priority one stays paused (kopf
     # starts a peered operator paused and logs nothing until it resumes).
     wait_for(
@@ -493,6 +417,8 @@ def test_two_operators_do_not_fight(
     done = f"{namespace}/{NAME}: reconciled generation"
     active.wait_for_log(f"{done} 2")
     assert done not in standby.log()
+    active.wait_for_log(r"resync: reconciling 1 InferenceService")
+    assert "resync:" not in standby.log()  # its requeue thread asks the peering object too
 
     # One manager applied the Deployment, and its spec stays put: no tug of war (generation
     # moves with every spec write; the controllers' status writes do not count).
@@ -510,6 +436,7 @@ def test_two_operators_do_not_fight(
     ready(cluster, namespace, generation=3)
     assert flag(deployment(cluster, namespace), "--block-size") == "64"
     standby.wait_for_log(f"{done} 3")
+    standby.wait_for_log(r"resync: reconciling 1 InferenceService")
 
 
 # Last in the file: by now the garbage collector has long discovered the new CRD (see crds).

@@ -1,9 +1,22 @@
-"""Unit tests of status.build_status: conditions from what the reconciler saw, exact values."""
+"""Unit tests of status.build_status and the observed views it reads: exact values.
+
+The Deployments and pods are API JSON literals parsed by ``observed`` (the same functions the
+reconciler uses), so these tests cover the parsing of what the API server sends as well.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from quire_operator.observed import (
+    Condition,
+    DeploymentView,
+    PodView,
+    Waiting,
+    controller_uid,
+    parse_deployment,
+    parse_pod,
+)
 from quire_operator.status import Observation, Problem, build_status
 
 URL = "http://llm.ml.svc.cluster.local:8000"
@@ -23,8 +36,12 @@ def observe(
     deployment: dict[str, Any] | None,
     problem: Problem | None = None,
     pods: list[dict[str, Any]] | None = None,
+    api_key: bool = False,
 ) -> Observation:
-    return Observation(3, URL, SELECTOR, problem, deployment, pods or [])
+    view = parse_deployment(deployment) if deployment is not None else None
+    return Observation(
+        3, URL, SELECTOR, api_key, problem, view, [parse_pod(pod) for pod in pods or []]
+    )
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
@@ -36,9 +53,11 @@ def test_rolled_out_and_ready() -> None:
     status = build_status(observe(done), {}, T0)
     assert status == {
         "observedGeneration": 3,
+        "desiredReplicas": 2,
         "replicas": 2,
         "readyReplicas": 2,
         "url": URL,
+        "auth": "None",
         "selector": SELECTOR,
         "conditions": [
             {
@@ -74,16 +93,35 @@ def test_transition_time_moves_only_with_the_status() -> None:
     )
 
 
-def test_missing_secret_before_any_deployment() -> None:
-    missing = Problem("SecretNotFound", 'Secret "hf" not found', retry=True)
-    status = build_status(observe(None, missing), {}, T0)
-    why = ("SecretNotFound", 'Secret "hf" not found')
+def test_an_object_in_the_way_before_any_deployment() -> None:
+    message = 'Service "llm" already exists and is not controlled by this InferenceService'
+    in_the_way = Problem("NotOwned", message, retry=True)
+    status = build_status(observe(None, in_the_way), {}, T0)
     assert conditions(status) == {
-        "Ready": ("False", *why),
-        "Progressing": ("False", *why),
-        "Degraded": ("True", *why),
+        "Ready": ("False", "NotOwned", message),
+        "Progressing": ("False", "NotOwned", message),
+        "Degraded": ("True", "NotOwned", message),
     }
-    assert (status["replicas"], status["readyReplicas"]) == (0, 0)
+    assert (status["desiredReplicas"], status["replicas"], status["readyReplicas"]) == (0, 0, 0)
+
+
+def test_auth_says_whether_the_endpoint_wants_an_api_key() -> None:
+    done = deployment(1, replicas=1, readyReplicas=1, updatedReplicas=1, availableReplicas=1)
+    assert build_status(observe(done, api_key=True), {}, T0)["auth"] == "APIKey"
+    assert build_status(observe(None), {}, T0)["auth"] == "None"
+
+
+def test_a_missing_secret_shows_as_the_kubelets_config_error() -> None:
+    # The operator reads no Secrets: the kubelet's words on the pod name the missing one.
+    waiting = {"reason": "CreateContainerConfigError", "message": 'secret "llm-key" not found'}
+    engine = {"name": "engine", "state": {"waiting": waiting}}
+    pending = deployment(1, replicas=1, updatedReplicas=1, unavailableReplicas=1)
+    status = build_status(observe(pending, pods=[pod("llm-a", containerStatuses=[engine])]), {}, T0)
+    assert conditions(status)["Degraded"] == (
+        "True",
+        "CreateContainerConfigError",
+        'pod llm-a, container engine: secret "llm-key" not found',
+    )
 
 
 def test_problem_with_a_running_deployment_keeps_it_ready() -> None:
@@ -159,3 +197,40 @@ def test_scaled_to_zero_is_not_ready_but_not_degraded() -> None:
         "Progressing": ("False", "RolloutComplete", "0/0 replicas up to date"),
         "Degraded": ("False", "AsExpected", ""),
     }
+
+
+def test_views_parse_api_json_with_the_api_servers_meaning_of_absent_fields() -> None:
+    fresh = parse_deployment({"metadata": {"generation": 1}, "spec": {}})
+    assert fresh == DeploymentView(
+        generation=1,
+        desired=1,  # spec.replicas absent means 1
+        observed_generation=0,
+        replicas=0,
+        updated=0,
+        ready=0,
+        available=0,
+        conditions={},
+    )
+    assert not fresh.settled and not fresh.rolled_out
+    stuck = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}
+    view = parse_deployment(deployment(2, replicas=2, updatedReplicas=2, conditions=[stuck]))
+    assert view.conditions == {"Progressing": Condition("False", "ProgressDeadlineExceeded", "")}
+
+    running = {"name": "engine", "state": {"running": {}}}
+    crashing = {"name": "dl", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+    scheduled = {"type": "PodScheduled", "status": "True"}
+    assert parse_pod(
+        pod("p", conditions=[scheduled], initContainerStatuses=[crashing],
+            containerStatuses=[running])
+    ) == PodView("p", None, (Waiting("dl", "CrashLoopBackOff", "CrashLoopBackOff"),))  # fmt: skip
+    assert parse_pod({"metadata": {"name": "new"}}) == PodView("new", None, ())
+
+
+def test_controller_uid_reads_only_the_controller_reference() -> None:
+    owners = [
+        {"uid": "a", "controller": False},
+        {"uid": "b", "controller": True},
+    ]
+    assert controller_uid({"metadata": {"ownerReferences": owners}}) == "b"
+    assert controller_uid({"metadata": {"ownerReferences": owners[:1]}}) is None
+    assert controller_uid({"metadata": {}}) is None

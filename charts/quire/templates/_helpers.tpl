@@ -93,21 +93,30 @@ except for the HPA and PDB, which the operator removes when the spec no longer a
 */}}
 {{- define "quire.rbac.rules" -}}
 # kopf watches InferenceServices and keeps its progress in their annotations (patch); the
-# reconciler reads the latest one (get) and writes its status subresource (patch).
+# reconciler reads the latest one (get), the periodic resync lists them (list), and the status
+# subresource is written (patch).
 - apiGroups: [quire.dev]
   resources: [inferenceservices]
   verbs: [get, list, watch, patch]
 - apiGroups: [quire.dev]
   resources: [inferenceservices/status]
   verbs: [patch]
-# Children: watched (list, watch) to repair drift, applied (create, patch); the Deployment is
-# also read for status, the HPA and PDB are read and deleted when no longer wanted.
+# Children carry a blockOwnerDeletion owner reference to their InferenceService. Where the
+# OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift, hardened clusters),
+# setting it requires update on the owner's finalizers subresource; the operator sets no
+# finalizer itself.
+- apiGroups: [quire.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+# Children: watched (list, watch) to repair drift, read (get) to make sure an existing object of
+# the same name is this InferenceService's before anything is applied, applied (create, patch);
+# the HPA and PDB are deleted when no longer wanted.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [list, watch, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, patch, delete]
@@ -118,21 +127,21 @@ except for the HPA and PDB, which the operator removes when the spec no longer a
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
-# The model's Hugging Face token Secret, read by name to report a missing one; never listed.
-- apiGroups: [""]
-  resources: [secrets]
-  verbs: [get]
-# kopf posts warnings and errors as Events on the InferenceService.
+# No Secrets: the pods reference them (API key, model token) and the kubelet reports a missing
+# one in the pod status, which the operator reads from the pods above.
+# The operator posts one Event per status transition on the InferenceService (and kopf posts
+# handler errors).
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
 {{- end -}}
 
 {{/* kopf peering: quire-operator creates its peering object at start (create), kopf watches it
-(list, watch) and patches its replicas' keep-alives into it (patch). */}}
+(list, watch) and patches its replicas' keep-alives into it (patch), and the retry/resync thread
+reads it (get) to act only while its replica is the active one. */}}
 {{- define "quire.rbac.peeringRules" -}}
 # kopf peering: the operator replicas' keep-alives, one active at a time.
 - apiGroups: [kopf.dev]
   resources: [{{ . }}]
-  verbs: [list, watch, create, patch]
+  verbs: [get, list, watch, create, patch]
 {{- end -}}

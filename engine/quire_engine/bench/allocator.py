@@ -8,6 +8,11 @@ utilization = slots holding written tokens / slots allocated, averaged over step
 
 ``--shared-prefix`` instead measures sharing: n parallel samples (fork + copy-on-write) of requests
 that share a long system prompt (prefix cache), against the same requests with no sharing.
+
+``--sliding-window W`` measures the blocks one sequence holds as its context grows, for a model
+whose every layer has a window of ``W`` (Mistral-style: blocks wholly before the window are
+released) against full attention (every block is kept): a 128-token prompt generating up to each
+of ``--contexts`` tokens, prefilled in chunks of ``--chunk`` tokens.
 """
 
 from __future__ import annotations
@@ -39,9 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix", action="store_true")
     parser.add_argument("--system-prompt-len", type=int, default=1000)
     parser.add_argument("--n", type=int, default=4, help="parallel samples per request")
+    parser.add_argument(
+        "--sliding-window", type=int, default=None, help="blocks held vs context with window W"
+    )
+    parser.add_argument(
+        "--contexts",
+        default="1024,4096,16384,32768",
+        help="context lengths for --sliding-window, comma-separated",
+    )
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (token budget)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.sliding_window is not None:
+        try:
+            contexts = [int(c) for c in args.contexts.split(",")]
+        except ValueError:
+            raise ValueError(f"--contexts must be integers, got {args.contexts!r}") from None
+        return window_blocks(
+            block_size=args.block_size,
+            window=args.sliding_window,
+            contexts=contexts,
+            chunk=args.chunk,
+        )
     if args.shared_prefix:
         return shared_prefix(
             num_requests=min(args.num_requests, 100),
@@ -223,3 +248,61 @@ def _replay_samples(
         blocks_sum += used
         steps += 1
     return {"peak_blocks": peak, "mean_blocks": round(blocks_sum / steps, 1), "steps": steps}
+
+
+def window_blocks(
+    *, block_size: int, window: int, contexts: list[int], chunk: int, prompt_len: int = 128
+) -> dict[str, Any]:
+    """Peak and final device blocks one sequence holds at each context length, with a sliding
+    window on every layer and with full attention (the same replay without the window)."""
+    rows = []
+    for context in contexts:
+        if context <= prompt_len:
+            raise ValueError(
+                f"every context must exceed the {prompt_len}-token prompt; got {context}"
+            )
+        windowed = _replay_one(block_size, window, context, chunk, prompt_len)
+        full = _replay_one(block_size, None, context, chunk, prompt_len)
+        rows.append(
+            {
+                "context_len": context,
+                "windowed_peak_blocks": windowed,
+                "full_peak_blocks": full,
+                "blocks_saved_fraction": round(1 - windowed / full, 4),
+            }
+        )
+    return {
+        "block_size": block_size,
+        "sliding_window": window,
+        "prompt_len": prompt_len,
+        "chunk": chunk,
+        # Bound with a window: the blocks of W - 1 computed positions, plus those of one step.
+        "window_bound_blocks": -(-(window - 1) // block_size) + 1 + -(-chunk // block_size),
+        "rows": rows,
+    }
+
+
+def _replay_one(
+    block_size: int, window: int | None, context: int, chunk: int, prompt_len: int
+) -> int:
+    """Peak blocks the sequence holds (after each step's allocation), growing to ``context``."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=context),
+        CacheConfig(
+            num_blocks=-(-context // block_size),
+            block_size=block_size,
+            enable_prefix_caching=False,
+            sliding_window=window,
+        ),
+    )
+    rng = random.Random(0)
+    seq = Sequence("r", random_tokens(rng, prompt_len), max_tokens=context - prompt_len)
+    sched.add(seq)
+    peak = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        peak = max(peak, sched.kv.stats().used)
+        sched.update(
+            out, {s.seq_id: 0 for s, smp in zip(out.seqs, out.samples, strict=True) if smp}
+        )
+    return peak

@@ -10,6 +10,12 @@ Layout (one layer):
   ``p % block_size``. The K/V of the step's own tokens are written before attention runs.
 - ``seq_lens[s]``: context length including the step's query tokens, so query ``i`` of a sequence
   with ``q_len`` queries sits at position ``seq_lens[s] - q_len + i`` and sees positions ``<=`` it.
+- ``sliding_window`` (optional, ``W``): a query at position ``p`` sees only ``p - W < pos <= p``,
+  the last ``W`` positions including its own (transformers' ``sliding_window_overlay``). Blocks
+  wholly before every query's window are never read, so their table entries may name any valid
+  block (the KV cache manager releases them; see ``kv_cache_manager``).
+- ``softcap`` (optional, ``c``): scores become ``c * tanh(scale * q.k / c)`` before the softmax
+  (Gemma 2's attention logit soft-capping), as transformers' eager attention computes them.
 
 Kernel plan (flash-decoding). Stage 1 runs one program per (sequence, block of ``BLOCK_Q`` query
 tokens, KV head, split). The ``group = num_heads // num_kv_heads`` query heads that share a KV
@@ -38,6 +44,7 @@ if HAS_TRITON:
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E) if HAS_TRITON else _LOG2E  # the same, as a kernel constant
 _MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
 _DECODE_CHUNK_BYTES = 2 << 20  # reference: fp32 bytes of gathered K per batched SDPA call
@@ -54,6 +61,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
     seq_lens_ptr,  # int32 [num_seqs]
     query_start_loc_ptr,  # int32 [num_seqs + 1]
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    window,  # sliding window W (positions p - W < pos <= p are visible); unused without HAS_WINDOW
+    softcap,  # logit soft-cap c; unused without HAS_SOFTCAP
     stride_qt, stride_qh,  # q: token, head
     stride_kb, stride_kt, stride_kh,  # k_cache: block, slot, head
     stride_vb, stride_vt, stride_vh,  # v_cache
@@ -70,6 +79,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16, as tl.dot needs
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so tests match the reference; else unused
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -99,11 +110,16 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
         other=0.0,
     )
 
-    # This program's key range: its split of the sequence, cut at the last query's position.
-    # Splits are per sequence (ragged batches stay balanced) and aligned to BLOCK_N.
-    split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, tl.minimum(cached + (q_block + 1) * BLOCK_Q, seq_len))
+    # The keys this program's queries may see: up to its last query's position and, with a
+    # window, from the first query's window start (earlier blocks may already be released).
+    # Each split takes an equal share of that range, rounded up to BLOCK_N.
+    kv_hi = tl.minimum(cached + (q_block + 1) * BLOCK_Q, seq_len)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(cached + q_block * BLOCK_Q - window + 1, 0)
+    split_len = ((kv_hi - kv_lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = kv_lo + split * split_len
+    hi = tl.minimum(lo + split_len, kv_hi)
 
     # Online softmax state. m starts finite so a row with nothing visible yet gives
     # exp2(-inf - m) = 0 rather than NaN; such rows end with l = 0.
@@ -130,7 +146,14 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            # c * tanh(x / c) in log2 units, tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both
+            # ends (exp2 overflows to inf, giving 1; underflows to 0, giving -1).
+            y = s / (softcap * _LOG2E_C)
+            s = (1.0 - 2.0 / (tl.exp2(y * (2.0 * _LOG2E_C)) + 1.0)) * (softcap * _LOG2E_C)
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
@@ -293,6 +316,8 @@ def _check_inputs(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Shapes, dtypes, devices and strides; raises ValueError naming what is wrong."""
     if q.dim() != 3:
@@ -345,6 +370,16 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
     if not (isinstance(scale, float | int) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int)
+        or isinstance(sliding_window, bool)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an integer >= 1, got {sliding_window!r}")
+    if softcap is not None and not (
+        isinstance(softcap, float | int) and math.isfinite(softcap) and softcap > 0
+    ):
+        raise ValueError(f"softcap must be None or a positive finite float, got {softcap!r}")
     if max_query_len < 1 or max_seq_len < max_query_len:
         raise ValueError(
             f"need 1 <= max_query_len <= max_seq_len, got {max_query_len} and {max_seq_len}"
@@ -399,25 +434,21 @@ def paged_attention(
     *,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Run the Triton kernel; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
 
     ``max_query_len`` and ``max_seq_len`` must bound the true lengths (they size the grid and the
     split count; on CUDA they are trusted, as checking would cost a host sync). ``num_splits``
-    defaults to :func:`choose_num_splits`.
+    defaults to :func:`choose_num_splits`. ``sliding_window`` and ``softcap``: see the module
+    docstring.
     """
     _check_inputs(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        max_query_len,
-        max_seq_len,
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+        max_seq_len, sliding_window, softcap,
+    )  # fmt: skip
     if q.device.type == "cpu":
         _check_values(
             q, k_cache.shape[0], block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len
@@ -436,7 +467,11 @@ def paged_attention(
     num_q_blocks = -(-max_query_len // config["BLOCK_Q"])
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.device.type == "cuda" else 8
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, num_q_blocks, max_seq_len, sms)
+        # A program reads at most its queries' window: split that, not the whole context.
+        span = max_seq_len
+        if sliding_window is not None:
+            span = min(span, sliding_window + config["BLOCK_Q"] - 1)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, num_q_blocks, span, sms)
 
     if num_splits == 1:
         part, lse = out, out  # stage 1 writes the final output; lse is never touched
@@ -450,13 +485,16 @@ def paged_attention(
     _paged_attention_kernel[(num_seqs, num_q_blocks, num_kv_heads * num_splits)](
         q, k_cache, v_cache, part, lse, block_tables, seq_lens, query_start_loc,
         float(scale) * _LOG2E,
+        sliding_window or 0,
+        float(softcap or 0.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         part.stride(0), part.stride(1), part_split_stride,
         lse.stride(0), lse.stride(1),
         block_tables.stride(0),
-        NUM_SPLITS=num_splits, **config,
+        NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, **config,
     )  # fmt: skip
     if num_splits > 1:
         merge = _merge_config(num_heads, num_splits, head_dim)
@@ -478,6 +516,31 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return gathered.view(n, nb * cache.shape[1], *cache.shape[2:])
 
 
+def _attend(
+    q: torch.Tensor,  # [B, heads, Lq, D] fp32
+    k: torch.Tensor,  # [B, kv_heads, Lk, D] fp32
+    v: torch.Tensor,  # [B, kv_heads, Lk, D] fp32
+    mask: torch.Tensor | None,  # bool, broadcastable to [B, heads, Lq, Lk]; None: causal, Lq == Lk
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Softmax attention in fp32: SDPA, or with a soft-cap the eager formula transformers uses
+    (SDPA has no soft-cap): ``softmax(c * tanh(scale * q.k / c) + mask) @ v``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    if mask is None:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -489,22 +552,25 @@ def paged_attention_reference(
     *,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     finite_cache: bool = False,
 ) -> torch.Tensor:
     """Same semantics as :func:`paged_attention` in plain torch (fp32 math); the CPU path.
 
     ``finite_cache=True`` promises that every slot of the pools holds finite values (the engine
     zero-initialises its caches and only writes model K/V into them), which skips zeroing the
-    V slots past each sequence's end.
+    V slots past each sequence's end or before its window.
 
     Decode sequences (one query token) run batched: their blocks are gathered into a padded
-    ``[n, padded_len, kv_heads, D]`` context, masked by length, in one SDPA call per chunk of
+    ``[n, padded_len, kv_heads, D]`` context, masked by length, in one attention call per chunk of
     sequences. Sequences with several query tokens run one by one, with a causal mask shifted
-    by their cached prefix.
+    by their cached prefix. With a sliding window only the blocks that hold a visible position
+    are gathered, so the cost follows the window, not the context.
     """
     _check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-        max_seq_len,
+        max_seq_len, sliding_window, softcap,
     )  # fmt: skip
     starts, q_lens, lens = _check_values(
         q, k_cache.shape[0], block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len
@@ -512,6 +578,9 @@ def paged_attention_reference(
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     tables = block_tables.long()
+    dev = q.device
+    # Blocks a window of W positions can touch: W - 1 positions before the query's own.
+    window_blocks = None if sliding_window is None else -(-(sliding_window - 1) // block_size) + 1
 
     # Decode sequences, longest first, in chunks that each pad only to their own longest
     # context: ragged lengths (the normal case) would otherwise pay for the longest everywhere.
@@ -520,6 +589,8 @@ def paged_attention_reference(
     i = 0
     while i < len(decode):
         num_blocks = -(-lens[decode[i]] // block_size)
+        if window_blocks is not None:
+            num_blocks = min(num_blocks, window_blocks)
         padded = num_blocks * block_size
         # Chunks keep each gathered K/V near _DECODE_CHUNK_BYTES: it stays in cache, and the
         # allocator recycles it (glibc returns buffers over ~32 MiB to the OS on free, so every
@@ -531,11 +602,19 @@ def paged_attention_reference(
             end += 1
         chunk_seqs = decode[i:end]
         i = end
-        seqs = torch.tensor(chunk_seqs, device=q.device)
-        rws = torch.tensor([starts[s] for s in chunk_seqs], device=q.device)
-        k = _gather(k_cache, tables[seqs, :num_blocks])  # [n, padded, kv_heads, D]
-        v = _gather(v_cache, tables[seqs, :num_blocks])
-        visible = torch.arange(padded, device=q.device) < seq_lens[seqs, None]  # [n, padded]
+        seqs = torch.tensor(chunk_seqs, device=dev)
+        rws = torch.tensor([starts[s] for s in chunk_seqs], device=dev)
+        # Each sequence's gathered range starts at block `first` (0 without a window):
+        # [n, num_blocks] table columns and [n, padded] absolute positions.
+        last = (seq_lens[seqs].long() - 1) // block_size
+        first = (last - num_blocks + 1).clamp(min=0)
+        cols = first[:, None] + torch.arange(num_blocks, device=dev)
+        k = _gather(k_cache, tables[seqs[:, None], cols])  # [n, padded, kv_heads, D]
+        v = _gather(v_cache, tables[seqs[:, None], cols])
+        pos = first[:, None] * block_size + torch.arange(padded, device=dev)
+        visible = pos < seq_lens[seqs, None]  # [n, padded]
+        if sliding_window is not None:
+            visible &= pos >= seq_lens[seqs, None] - sliding_window
         if not finite_cache:
             # Slots past a sequence's end hold whatever the pool held (torch.empty bits, NaN
             # included): zero them, or a masked-out NaN leaks through (SDPA adds the mask to
@@ -543,13 +622,13 @@ def paged_attention_reference(
             hidden = (~visible).flatten().nonzero().squeeze(1)
             k.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
             v.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
-        o = F.scaled_dot_product_attention(
+        o = _attend(
             q[rws].float().unsqueeze(2),  # [n, heads, 1, D]
             k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
             v.float().transpose(1, 2),
-            attn_mask=visible[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
+            visible[:, None, None, :],
+            scale,
+            softcap,
         )  # [n, heads, 1, D]
         out[rws] = o.squeeze(2).to(q.dtype)
 
@@ -557,18 +636,21 @@ def paged_attention_reference(
         if n == 1:
             continue
         length, start = lens[s], starts[s]
-        blocks = tables[s : s + 1, : -(-length // block_size)]
-        k = _gather(k_cache, blocks)[0, :length].float().transpose(0, 1)  # [kv_heads, L, D]
-        v = _gather(v_cache, blocks)[0, :length].float().transpose(0, 1)
+        # Keys from the block of the first query's first visible position (0 without a window).
+        lo = 0 if sliding_window is None else max(0, length - n - sliding_window + 1)
+        lo -= lo % block_size
+        blocks = tables[s : s + 1, lo // block_size : -(-length // block_size)]
+        k = _gather(k_cache, blocks)[0, : length - lo].float().transpose(0, 1)  # [kv, L, D]
+        v = _gather(v_cache, blocks)[0, : length - lo].float().transpose(0, 1)
         qs = q[start : start + n].float().transpose(0, 1)  # [heads, n, D]
         mask = None
-        if length != n:  # query i sits at position length - n + i, after the cached prefix
-            key_pos = torch.arange(length, device=q.device)
-            query_pos = torch.arange(length - n, length, device=q.device)
+        if length != n or sliding_window is not None:
+            # Query i sits at position length - n + i, after the cached prefix.
+            key_pos = torch.arange(lo, length, device=dev)
+            query_pos = torch.arange(length - n, length, device=dev)
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(
-            qs[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=True,
-        )  # fmt: skip
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        o = _attend(qs[None], k[None], v[None], mask, scale, softcap)
         out[start : start + n] = o[0].transpose(0, 1).to(q.dtype)
     return out

@@ -1,0 +1,109 @@
+"""API calls on the operator's child objects, by kind: read, server-side apply, delete.
+
+Ownership rules live in reconcile.py; this module only knows which client method serves which
+kind. Every call carries ``TIMEOUT`` so a hung request cannot hold an object's lock forever, and
+results come back as API JSON (camelCase dicts), the form the rest of the operator reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from quire_operator import meta
+
+APPLY = "application/apply-patch+yaml"  # JSON is YAML, and the client sends dict bodies as JSON
+# (connect, read) seconds for every call.
+TIMEOUT = (10, 60)
+
+
+@dataclass(frozen=True)
+class _Calls:
+    read: Callable[..., Any]
+    patch: Callable[..., Any]
+    delete: Callable[..., Any]
+
+
+class Children:
+    """The four kinds an InferenceService owns, behind one small interface."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self._api = api
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        hpa, pdb = client.AutoscalingV2Api(api), client.PolicyV1Api(api)
+        self._calls = {
+            "Deployment": _Calls(
+                apps.read_namespaced_deployment,
+                apps.patch_namespaced_deployment,
+                apps.delete_namespaced_deployment,
+            ),
+            "Service": _Calls(
+                core.read_namespaced_service,
+                core.patch_namespaced_service,
+                core.delete_namespaced_service,
+            ),
+            "HorizontalPodAutoscaler": _Calls(
+                hpa.read_namespaced_horizontal_pod_autoscaler,
+                hpa.patch_namespaced_horizontal_pod_autoscaler,
+                hpa.delete_namespaced_horizontal_pod_autoscaler,
+            ),
+            "PodDisruptionBudget": _Calls(
+                pdb.read_namespaced_pod_disruption_budget,
+                pdb.patch_namespaced_pod_disruption_budget,
+                pdb.delete_namespaced_pod_disruption_budget,
+            ),
+        }
+
+    def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object as API JSON, or None when there is none."""
+        try:
+            found = self._calls[kind].read(name, namespace, _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        obj: dict[str, Any] = self._api.sanitize_for_serialization(found)
+        return obj
+
+    def apply(self, obj: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
+        """Server-side apply ``obj`` as the operator's field manager, taking its fields back.
+
+        ``uid``: the object must still be that one (the one read and found ours). The API
+        server refuses an apply whose metadata.uid differs from the live object's (422), so an
+        object deleted and re-made by someone else since the read is never written; that is
+        raised as a 409 Conflict, which the requeue retries (and the retry reports NotOwned).
+        """
+        metadata = obj["metadata"]
+        body = obj if uid is None else {**obj, "metadata": {**metadata, "uid": uid}}
+        try:
+            result = self._calls[obj["kind"]].patch(
+                metadata["name"],
+                metadata["namespace"],
+                body,
+                field_manager=meta.FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY,
+                _request_timeout=TIMEOUT,
+            )
+        except ApiException as err:
+            replaced = uid is not None and err.status in (409, 422) and "uid" in str(err.body)
+            if replaced:
+                reason = f"{obj['kind']} {metadata['name']} was replaced since it was read"
+                raise ApiException(status=409, reason=reason) from err
+            raise
+        applied: dict[str, Any] = self._api.sanitize_for_serialization(result)
+        return applied
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete exactly the object with this uid (a precondition): if it was replaced
+        meanwhile by someone else's, the API server refuses (409) and nothing is lost."""
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        try:
+            self._calls[kind].delete(name, namespace, body=options, _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status not in (404, 409):  # already gone, or replaced meanwhile
+                raise

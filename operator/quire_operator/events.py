@@ -1,0 +1,111 @@
+"""Kubernetes Events on the InferenceService: one per transition, for ``kubectl describe``.
+
+``transitions`` is pure: it compares the status before and after a reconcile and names what a
+person looks for (a generation applied, a scale, Ready gained or lost, Degraded and why, the
+recovery). An unchanged status yields nothing, so a reconcile loop that finds the world as it
+was posts no Event: Events cannot flood. ``EventRecorder`` posts them (core/v1 Events, the ones
+``kubectl describe`` lists); an Event that cannot be posted is logged and never fails a reconcile.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from quire_operator import meta
+from quire_operator.children import TIMEOUT
+
+logger = logging.getLogger(__name__)
+
+NORMAL, WARNING = "Normal", "Warning"
+# Progressing reasons that mean the generation's children were applied.
+_APPLIED = frozenset({"RollingOut", "RolloutComplete"})
+
+
+@dataclass(frozen=True)
+class Transition:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+def _conditions(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Transition]:
+    """What changed between two statuses, in the order a reader wants it."""
+    old, new = _conditions(before), _conditions(after)
+    found: list[Transition] = []
+    generation = after.get("observedGeneration")
+    # Applied: this generation's children are in place now and were not before (a new
+    # generation, or the same one no longer blocked by a problem).
+    was_applied = old.get("Progressing", {}).get("reason") in _APPLIED
+    applied = new.get("Progressing", {}).get("reason") in _APPLIED
+    if applied and (not was_applied or before.get("observedGeneration") != generation):
+        found.append(Transition(NORMAL, "Applied", f"applied generation {generation}"))
+    # Scaled: the Deployment's replicas moved (the HPA, kubectl scale, the spec); not its
+    # first appearance.
+    was, now = before.get("desiredReplicas"), after.get("desiredReplicas")
+    if was_applied and applied and was != now:
+        found.append(Transition(NORMAL, "Scaled", f"scaled from {was} to {now} replicas"))
+    degraded, was_degraded = new.get("Degraded", {}), old.get("Degraded", {})
+    if degraded.get("status") == "True" and (
+        was_degraded.get("status") != "True" or was_degraded.get("reason") != degraded["reason"]
+    ):
+        found.append(Transition(WARNING, degraded["reason"], degraded["message"]))
+    elif degraded.get("status") == "False" and was_degraded.get("status") == "True":
+        message = f"no longer degraded ({was_degraded.get('reason')} resolved)"
+        found.append(Transition(NORMAL, "Recovered", message))
+    ready, was_ready = new.get("Ready", {}), old.get("Ready", {})
+    if ready.get("status") != was_ready.get("status"):
+        if ready.get("status") == "True":
+            found.append(Transition(NORMAL, "Ready", ready["message"]))
+        elif was_ready.get("status") == "True":
+            found.append(Transition(WARNING, "NotReady", ready["message"]))
+    return found
+
+
+class EventRecorder:
+    """Posts Events about InferenceServices as ``quire-operator``."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self._core = client.CoreV1Api(api)
+
+    def post(self, body: Mapping[str, Any], transition: Transition) -> None:
+        metadata = body["metadata"]
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event: Any = {
+            "metadata": {
+                "generateName": f"{metadata['name']}.",
+                "namespace": metadata["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": meta.API_VERSION,
+                "kind": meta.KIND,
+                "name": metadata["name"],
+                "namespace": metadata["namespace"],
+                "uid": metadata["uid"],
+            },
+            "type": transition.type,
+            "reason": transition.reason,
+            "message": transition.message[:1024],
+            "source": {"component": meta.FIELD_MANAGER},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._core.create_namespaced_event(
+                metadata["namespace"], event, _request_timeout=TIMEOUT
+            )
+        except (ApiException, OSError, urllib3.exceptions.HTTPError) as err:
+            # The status already says it; a lost Event must not fail or repeat a reconcile.
+            logger.warning("cannot post Event %s: %s", transition.reason, err)
