@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine image for InferenceServices that name none [env QUIRE_ENGINE_IMAGE]",
     )
     parser.add_argument("--cluster-domain", default="cluster.local", help="for status.url")
+    parser.add_argument(
+        "--prometheus-address",
+        default=os.environ.get("QUIRE_PROMETHEUS_ADDRESS") or None,
+        help="Prometheus URL for KEDA ScaledObjects that name none [env QUIRE_PROMETHEUS_ADDRESS]",
+    )
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
@@ -142,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One line per liveness probe (every few seconds, forever) says nothing either.
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     operator_config = OperatorConfig(
-        engine_image=args.engine_image, cluster_domain=args.cluster_domain
+        engine_image=args.engine_image,
+        cluster_domain=args.cluster_domain,
+        prometheus_address=args.prometheus_address,
     )
     api = api_client()
     require_crd(api)

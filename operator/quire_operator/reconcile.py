@@ -29,9 +29,15 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.autoscaling import (
+    KEDA_GROUP,
+    KEDA_VERSION,
+    SCALED_OBJECT_PLURAL,
+    build_autoscalers,
+)
 from quire_operator.config import OperatorConfig
 from quire_operator.deployment import build_deployment
-from quire_operator.objects import build_hpa, build_pdb, build_service
+from quire_operator.objects import build_pdb, build_service
 from quire_operator.spec import InferenceService, parse
 from quire_operator.status import Observation, Problem, build_status
 
@@ -127,12 +133,20 @@ class Reconciler:
         if missing is not None:
             # Keep whatever runs now: a replica that already has its model keeps serving.
             return missing, self._read_deployment(namespace, name)
+        try:
+            autoscalers = build_autoscalers(isvc, self._config)
+        except ValueError as err:
+            invalid = Problem("InvalidSpec", f"spec cannot be applied: {err}")
+            return invalid, self._read_deployment(namespace, name)
         children = [
             ("Deployment", build_deployment(isvc, self._config)),
             ("Service", build_service(isvc)),
-            ("HorizontalPodAutoscaler", build_hpa(isvc)),
+            *autoscalers,
             ("PodDisruptionBudget", build_pdb(isvc)),
         ]
+        # Deletions first: a backend switch removes the old autoscaler before the new one exists,
+        # so two HPAs never target the Deployment at once (the HPA controller then scales none).
+        children.sort(key=lambda kind_child: kind_child[1] is not None)
         deployment = None
         for kind, child in children:
             try:
@@ -143,7 +157,10 @@ class Reconciler:
             except ApiException as err:
                 if err.status is None or err.status >= 500 or err.status in (409, 429):
                     raise
-                problem = Problem("ApplyFailed", f"{kind} {name}: {api_message(err)}")
+                message = api_message(err)
+                if kind == "ScaledObject" and err.status == 404:
+                    message = "KEDA is not installed (the API server has no keda.sh/v1alpha1)"
+                problem = Problem("ApplyFailed", f"{kind} {name}: {message}")
                 return problem, deployment or self._read_deployment(namespace, name)
             if kind == "Deployment":
                 deployment = applied
@@ -173,6 +190,7 @@ class Reconciler:
             "Service": self._core.patch_namespaced_service,
             "HorizontalPodAutoscaler": self._autoscaling.patch_namespaced_horizontal_pod_autoscaler,
             "PodDisruptionBudget": self._policy.patch_namespaced_pod_disruption_budget,
+            "ScaledObject": self._patch_scaled_object,
         }
         metadata = obj["metadata"]
         result = patchers[obj["kind"]](
@@ -188,7 +206,8 @@ class Reconciler:
         return applied
 
     def _delete_if_owned(self, kind: str, isvc: InferenceService) -> None:
-        """Delete this InferenceService's HPA or PDB if it has one; never someone else's."""
+        """Delete this InferenceService's HPA, ScaledObject or PDB if it has one; never someone
+        else's."""
         readers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
             "HorizontalPodAutoscaler": (
                 self._autoscaling.read_namespaced_horizontal_pod_autoscaler,
@@ -198,6 +217,7 @@ class Reconciler:
                 self._policy.read_namespaced_pod_disruption_budget,
                 self._policy.delete_namespaced_pod_disruption_budget,
             ),
+            "ScaledObject": (self._read_scaled_object, self._delete_scaled_object),
         }
         read, delete = readers[kind]
         ref = isvc.ref
@@ -212,6 +232,23 @@ class Reconciler:
         except ApiException as err:
             if err.status not in (404, 409):  # already gone, or replaced meanwhile
                 raise
+
+    # KEDA's ScaledObject through the custom-objects API, in the typed clients' argument order.
+    # Without KEDA installed, reading one answers 404 like a missing object: nothing to delete.
+    def _patch_scaled_object(self, name: str, namespace: str, body: Any, **kwargs: Any) -> Any:
+        return self._custom.patch_namespaced_custom_object(
+            KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECT_PLURAL, name, body, **kwargs
+        )
+
+    def _read_scaled_object(self, name: str, namespace: str, **kwargs: Any) -> Any:
+        return self._custom.get_namespaced_custom_object(
+            KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECT_PLURAL, name, **kwargs
+        )
+
+    def _delete_scaled_object(self, name: str, namespace: str, **kwargs: Any) -> Any:
+        return self._custom.delete_namespaced_custom_object(
+            KEDA_GROUP, KEDA_VERSION, namespace, SCALED_OBJECT_PLURAL, name, **kwargs
+        )
 
     def _read_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -62,6 +62,7 @@ NAMESPACED_RULES = [
         "delete",
     ),
     rule("policy", "poddisruptionbudgets", "get", "list", "watch", "create", "patch", "delete"),
+    rule("keda.sh", "scaledobjects", "get", "create", "patch", "delete"),
     rule("", "pods", "list", "watch"),
     rule("", "secrets", "get"),
     rule("", "events", "create"),
