@@ -285,6 +285,23 @@ class Scenario:
         )
         self.timeline.mark(f"{replicas} engines ready")
 
+    def expect_queue_to_fall(self, peak: float) -> None:
+        """With two engines sharing the clients, the average per-pod queue drops by >= 2."""
+        fell = poll(
+            "per-pod queue to fall",
+            lambda: self.per_pod("quire_num_requests_waiting"),
+            lambda per_pod: len(per_pod) == 2 and sum(per_pod.values()) / 2 <= peak - 2,
+            STEP_TIMEOUT_S,
+        )
+        self.timeline.mark(f"per-pod queue fell from {peak:g} to {sum(fell.values()) / 2:g}")
+
+    def expect_scale_in_without_operator_replicas(self) -> None:
+        """Load off -> back to minReplicas; the operator never owned spec.replicas meanwhile."""
+        self.stop_load()
+        self.expect_scale_in()
+        assert self.ownership_violations == []
+        assert "quire-operator/-" not in self.replicas_managers()
+
     def expect_scale_in(self) -> None:
         poll("Deployment back to 1 replica", self.deployment_replicas, lambda n: n == 1, 180)
         self.timeline.mark("scaled in to minReplicas (1)")

@@ -39,10 +39,17 @@ class Load:
     _clients: dict[str, openai.OpenAI] = field(default_factory=dict)
 
     def start(self) -> None:
-        for index in range(self.concurrency):
-            thread = threading.Thread(target=self._work, name=f"load-{index}", daemon=True)
+        self.grow(self.concurrency)
+
+    def grow(self, clients: int) -> None:
+        """Add ``clients`` more workers (a ramp); ``concurrency`` counts them all."""
+        for _ in range(clients):
+            thread = threading.Thread(
+                target=self._work, name=f"load-{len(self._threads)}", daemon=True
+            )
             self._threads.append(thread)
             thread.start()
+        self.concurrency = len(self._threads)
 
     def stop(self) -> None:
         self._stop.set()

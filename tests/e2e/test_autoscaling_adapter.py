@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.e2e.harness import STEP_TIMEOUT_S, Scenario, poll
+from tests.e2e.harness import Scenario, poll
 from tests.e2e.quantity import parse_quantity
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -51,15 +51,6 @@ def test_queue_depth_scales_out_then_in_through_the_adapter(
     peak = max(s.per_pod("quire_num_requests_waiting").values())
 
     s.expect_scale_out()
-    poll(
-        "per-pod queue to fall",
-        lambda: s.per_pod("quire_num_requests_waiting"),
-        lambda per_pod: len(per_pod) == 2 and sum(per_pod.values()) / 2 <= peak - 2,
-        STEP_TIMEOUT_S,
-    )
-    s.timeline.mark("per-pod queue fell")
+    s.expect_queue_to_fall(peak)
 
-    s.stop_load()
-    s.expect_scale_in()
-    assert s.ownership_violations == []
-    assert "quire-operator/-" not in s.replicas_managers()
+    s.expect_scale_in_without_operator_replicas()

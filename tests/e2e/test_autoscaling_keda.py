@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.e2e.harness import STEP_TIMEOUT_S, Scenario, poll
+from tests.e2e.harness import Scenario, poll
 from tests.e2e.quantity import parse_quantity
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -38,13 +38,7 @@ def test_queue_depth_scales_out_then_in_without_the_operator_touching_replicas(
 
     s.expect_scale_out()
     # The second engine takes half the clients: the per-pod queue falls.
-    falls = poll(
-        "per-pod queue to fall",
-        lambda: s.per_pod("quire_num_requests_waiting"),
-        lambda per_pod: len(per_pod) == 2 and sum(per_pod.values()) / 2 <= peak - 2,
-        STEP_TIMEOUT_S,
-    )
-    s.timeline.mark(f"per-pod queue fell from {peak:g} to {sum(falls.values()) / 2:g}")
+    s.expect_queue_to_fall(peak)
 
     # A spec edit while scaled out: the operator re-applies everything, replicas stay.
     before = s.deployment_replicas()
@@ -61,10 +55,7 @@ def test_queue_depth_scales_out_then_in_without_the_operator_touching_replicas(
     assert s.deployment_replicas() >= before >= 2
     s.timeline.mark("spec edited while scaled out; replicas kept")
 
-    s.stop_load()
-    s.expect_scale_in()
-    assert s.ownership_violations == []
-    assert "quire-operator/-" not in s.replicas_managers()
+    s.expect_scale_in_without_operator_replicas()
 
 
 def test_kv_cache_usage_alone_scales_out(scenario: Callable[..., Scenario]) -> None:

@@ -571,6 +571,7 @@ def test_examples_are_valid_inference_services(cluster: ClusterHandle, namespace
         doc["metadata"]["namespace"] = namespace
     assert server_dry_run(cluster, docs) == [
         "inferenceservice.quire.dev/qwen-0-5b",
+        "inferenceservice.quire.dev/qwen-0-5b-keda",
         "inferenceservice.quire.dev/qwen-0-5b-mig",
         "inferenceservice.quire.dev/tiny-cpu",
     ]
