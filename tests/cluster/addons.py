@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .addons_build import AutoscalingBinaries
+from .build import K8S_VERSION
 from .launcher import ControlPlane
 from .process import ClusterError, ManagedProcess, free_port, wait_until
 
@@ -175,6 +176,7 @@ class AutoscalingStack:
             [
                 str(self.binaries.keda_adapter),
                 f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--lister-kubeconfig={self.cluster.kubeconfig}",
                 f"--authentication-kubeconfig={self.cluster.kubeconfig}",
                 f"--authorization-kubeconfig={self.cluster.kubeconfig}",
                 "--bind-address=127.0.0.1",
@@ -239,7 +241,8 @@ class AutoscalingStack:
         chart = Path(__file__).resolve().parents[2] / "charts" / "quire"
         rendered = subprocess.run(
             [str(self.cluster.binaries.helm), "template", "quire", str(chart),
-             "--namespace", ADAPTER_NAMESPACE, "--show-only", "templates/adapter-rules.yaml"],
+             "--namespace", ADAPTER_NAMESPACE, "--kube-version", K8S_VERSION,
+             "--show-only", "templates/adapter-rules.yaml"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if rendered.returncode != 0:
