@@ -11,9 +11,11 @@ tokens plus half the remaining max_tokens), and the peak is 208. So with k clien
 
 Run 1 scales on demand and asserts what is structural, not a race: the HPA's scale-out decision
 comes while Prometheus has recorded no preemption, and at that moment average usage is still below
-the 0.8 a usage target would need. Run 2 scales on usage with the same ramp and logs when its
-decision came relative to the first preemption (the two are seconds apart by construction, so
-their order is measured and reported, not asserted).
+the 0.8 a usage target would need (so a usage-based HPA could not have decided then; demand is
+never below usage, so it always crosses a shared target first). Run 2 scales on usage with the same
+ramp and logs its decision against the first preemption. Whether usage is too late to prevent the
+first preemption is a race between the chain's latency (here 1-3 s) and how fast the last 20% of
+the pool fills, so it is measured and reported (README), never asserted.
 """
 
 from __future__ import annotations
@@ -68,9 +70,7 @@ def test_kv_demand_scales_before_the_first_preemption(
     s.expect_scale_out()
 
 
-def test_kv_usage_scales_only_near_the_first_preemption(
-    scenario: Callable[..., Scenario],
-) -> None:
+def test_kv_usage_scales_later_on_the_same_ramp(scenario: Callable[..., Scenario]) -> None:
     s = scenario("usage", "keda")
     s.create({"targetKVCacheUtilization": TARGET}, **ENGINE)
     decided, preempted, clients = ramp_until_scaled(s)
@@ -79,6 +79,4 @@ def test_kv_usage_scales_only_near_the_first_preemption(
         f"usage run: decision at {decided}, first preemption at {first}, "
         f"preemptions by the decision {preempted:g}, clients {clients}"
     )
-    # The ramp must have pushed the pool into preemption or into a usage scale-out: the run
-    # measured something. Which came first is reported in the timeline.
-    assert decided is not None or first is not None
+    assert decided is not None, "KV usage never scaled out on the ramp"
