@@ -104,8 +104,14 @@ def scenario(
             _save_timeline(created.timeline.as_json())
 
 
+_TIMELINES: list[str] = []  # rendered, for the terminal summary
+
+
 def _save_timeline(timeline: dict[str, Any]) -> None:
-    """Append to ``$QUIRE_E2E_TIMELINES`` (JSON lines), when set: the README's figures."""
+    """Keep it for the terminal summary, and append it to ``$QUIRE_E2E_TIMELINES`` (JSON
+    lines) when that is set: the README's figures come from there."""
+    events = "\n".join(f"  +{t:6.1f}s  {what}" for t, what in timeline["events"])
+    _TIMELINES.append(f"{timeline['name']}:\n{events}")
     target = os.environ.get("QUIRE_E2E_TIMELINES")
     if target:
         with open(target, "a") as out:
@@ -130,3 +136,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             )
             report.sections.append(("engines", errors + "\n" + created.runner.report()))
     return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every scenario's timeline at the end of the run, passed or failed."""
+    if _TIMELINES:
+        terminalreporter.section("autoscaling timelines")
+        for text in _TIMELINES:
+            terminalreporter.write_line(text)
