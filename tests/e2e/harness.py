@@ -173,6 +173,9 @@ class Scenario:
         )
 
     def close(self) -> None:
+        """Stop load, watcher and engines; idempotent (a test may close a scenario early)."""
+        if self._watching.is_set():
+            return
         if self.load is not None:
             self.load.stop()
         self._watching.set()
@@ -237,13 +240,18 @@ class Scenario:
         items: list[dict[str, Any]] = json.loads(proc.stdout).get("items") or []
         return items
 
+    @property
+    def matchers(self) -> str:
+        """PromQL matchers for this InferenceService's pods (the operator's own)."""
+        return f'namespace="{self.namespace}",pod=~"{self.name}-[a-z0-9]+-[a-z0-9]+"'
+
     def per_pod(self, metric: str) -> dict[str, float]:
         """Prometheus' latest value of an engine gauge per pod of this InferenceService."""
-        query = f'max by (pod) ({metric}{{namespace="{self.namespace}"}})'
+        query = f"max by (pod) ({metric}{{{self.matchers}}})"
         return {r["metric"]["pod"]: float(r["value"][1]) for r in self.stack.query(query)}
 
     def preemptions(self) -> float:
-        query = f'sum(quire_preemptions_total{{namespace="{self.namespace}"}})'
+        query = f"sum(quire_preemptions_total{{{self.matchers}}})"
         result = self.stack.query(query)
         return float(result[0]["value"][1]) if result else 0.0
 
