@@ -258,7 +258,7 @@ class Scenario:
     # -- load -------------------------------------------------------------------------------
 
     def start_load(
-        self, *, concurrency: int, prompt_len: int, max_tokens: int, max_requests: int = 3000
+        self, *, concurrency: int, prompt_len: int, max_tokens: int, max_requests: int = 1000
     ) -> Load:
         self.load = Load(
             self.runner.engines,
@@ -292,6 +292,18 @@ class Scenario:
             STEP_TIMEOUT_S,
         )
         self.timeline.mark(f"{replicas} engines ready")
+
+    def queue_peak(self, at_least: float = 5) -> float:
+        """The one engine's queue once it has built up (8 clients, 2 slots: 6 waiting); the
+        second engine takes seconds to start, so the first one queues until then."""
+        peak: float = poll(
+            f"a queue of >= {at_least:g} on one pod",
+            lambda: max(self.per_pod("quire_num_requests_waiting").values(), default=0.0),
+            lambda value: value >= at_least,
+            60,
+        )
+        self.timeline.mark(f"queue peaked at {peak:g} on one pod")
+        return peak
 
     def expect_queue_to_fall(self, peak: float) -> None:
         """With two engines sharing the clients, the average per-pod queue drops by >= 2."""

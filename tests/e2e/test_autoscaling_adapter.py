@@ -48,7 +48,7 @@ def test_queue_depth_scales_out_then_in_through_the_adapter(
         assert pods_metric(s, metric), f"{metric} missing from custom.metrics.k8s.io"
     poll("HPA ScalingActive", s.scaling_active, bool, 60)
     s.timeline.mark("HPA ScalingActive=True")
-    peak = max(s.per_pod("quire_num_requests_waiting").values())
+    peak = s.queue_peak()
 
     s.expect_scale_out()
     s.expect_queue_to_fall(peak)

@@ -34,7 +34,7 @@ def test_queue_depth_scales_out_then_in_without_the_operator_touching_replicas(
     s.timeline.mark("metric visible: external.metrics.k8s.io s0-prometheus >= 3")
     poll("HPA ScalingActive", s.scaling_active, bool, 60)
     s.timeline.mark("HPA ScalingActive=True")
-    peak = max(s.per_pod("quire_num_requests_waiting").values())
+    peak = s.queue_peak()
 
     s.expect_scale_out()
     # The second engine takes half the clients: the per-pod queue falls.
