@@ -295,9 +295,9 @@ class AutoscalingStack:
         status, reply = self.cluster.request(
             "GET", f"/apis/apiregistration.k8s.io/v1/apiservices/{name}"
         )
-        conditions = (
-            (reply or {}).get("status", {}).get("conditions") or [] if status == 200 else []
-        )
+        if status != 200:
+            return False
+        conditions = reply.get("status", {}).get("conditions") or []
         return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
 
     def _create(self, path: str, body: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@
   Prometheus unpacked from Debian's package, cached under ~/.cache/quire (first run: tens of
   minutes, mostly KEDA). Same policy as the cluster: skipped locally without Go, failed under
   ``CI=true``.
-- ``stack`` (session): Prometheus, KEDA and prometheus-adapter on loopback, the adapter running
+- ``stack`` (package): Prometheus, KEDA and prometheus-adapter on loopback, the adapter running
   the chart's rules as ``helm template`` renders them.
 - ``scenario`` (function): makes ``harness.Scenario`` objects with an operator that knows the
   Prometheus address, and closes them (engines, load) after the test.
@@ -56,7 +56,9 @@ def autoscaling_binaries(request: pytest.FixtureRequest) -> AutoscalingBinaries:
         cluster_fixtures._unavailable(str(err))
 
 
-@pytest.fixture(scope="session")
+# Package scope: KEDA, Prometheus and the adapter stop once the e2e tests are done, instead of
+# idling through the rest of the session.
+@pytest.fixture(scope="package")
 def stack(
     cluster: ClusterHandle, autoscaling_binaries: AutoscalingBinaries
 ) -> Iterator[AutoscalingStack]:
