@@ -1,14 +1,14 @@
 """Scaling ahead of the pool running dry: the KV-demand gauge against KV usage on one burst.
 
-Seven clients arrive at once at a replica with 128 blocks of 16 tokens (2,048 tokens); each keeps
-one request in flight: 16 prompt tokens, exactly 480 generated (``ignore_eos``). The same load runs
+Seven clients arrive at once at a replica with 256 blocks of 16 tokens (4,096 tokens); each keeps
+one request in flight: 16 prompt tokens, exactly 960 generated (``ignore_eos``). The same load runs
 twice, once scaling on KV demand >= 0.8, once on KV usage >= 0.8:
 
-- demand = known tokens + half the remaining max_tokens = 16 + 240 -> 16 blocks per request, 112 of
-  128 blocks (0.875) the moment the requests are admitted;
-- usage starts at 1 block per request (0.05) and reaches 0.8 only after ~220 generated tokens
-  each, and the pool overflows (the first preemption) after ~290: the whole growth phase lies
-  between demand's decision and usage's.
+- demand = known tokens + half the remaining max_tokens = 16 + 480 -> 31 blocks per request, 217
+  of 256 blocks (0.85) the moment the requests are admitted;
+- usage starts at 1 block per request (0.03), reaches 0.8 only after ~450 generated tokens each,
+  and the pool overflows (the first preemption) after ~580: the whole growth phase (several
+  seconds even at 70 tokens/s per request) lies between demand's decision and usage's.
 
 Asserted (structural on this load): the demand run decides while Prometheus has recorded no
 preemption, and sooner after the load started than the usage run. The usage run's decision is
@@ -29,13 +29,13 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 CLIENTS = 7
 TARGET = 0.8
-ENGINE = {"max_num_seqs": 16, "num_blocks": 128, "max_model_len": 512}
+ENGINE = {"max_num_seqs": 16, "num_blocks": 256, "max_model_len": 1024}
 
 
 def burst_until_scaled(s: Scenario) -> tuple[float, float, float | None]:
     """Start the burst and wait for the HPA to want 2 replicas; returns (seconds from load start
     to the decision, preemptions recorded by then, seconds to the first preemption or None)."""
-    s.start_load(concurrency=CLIENTS, prompt_len=16, max_tokens=480, max_requests=4 * CLIENTS)
+    s.start_load(concurrency=CLIENTS, prompt_len=16, max_tokens=960, max_requests=3 * CLIENTS)
     started = time.monotonic()
     first_preemption = None
     deadline = started + STEP_TIMEOUT_S
