@@ -21,6 +21,7 @@ Stdlib only (like the launcher), so ``python3 -m tests.cluster up --autoscaling`
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -310,9 +311,11 @@ class AutoscalingStack:
         self._create("/api/v1/namespaces", body)
 
     def _kubectl(self, kubectl: str, *args: str, stdin: str | None = None) -> None:
-        env = {"KUBECONFIG": str(self.cluster.kubeconfig), "PATH": "/usr/bin:/bin"}
+        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
+        # kubectl's discovery cache goes in the work dir, not in $HOME (or the cwd without one).
+        cache = f"--cache-dir={self.workdir / 'kubectl-cache'}"
         proc = subprocess.run(
-            [kubectl, *args],
+            [kubectl, cache, *args],
             input=stdin,
             capture_output=True,
             text=True,
