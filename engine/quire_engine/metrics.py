@@ -36,6 +36,35 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 # A warning per preemption would flood the log exactly when the server is overloaded.
 PREEMPTION_WARNING_INTERVAL_S = 10.0
 
+# The share of a request's remaining ``max_tokens`` that KV demand expects it to still generate.
+# All of it is the worst case and over-provisions when clients send a large default max_tokens;
+# none of it reacts only once prompts alone fill the pool. Half sits between the two: on a ramp,
+# demand crosses a 0.8 target while the pool still has room, before the first preemption.
+KV_DEMAND_OUTPUT_SHARE = 0.5
+
+
+def kv_demand_blocks(scheduler: Scheduler, output_share: float = KV_DEMAND_OUTPUT_SHARE) -> int:
+    """Device KV blocks this replica is committed to: the blocks in use now, plus for every
+    unfinished sequence (running, waiting or swapped) the blocks it still lacks to hold its known
+    tokens (prompt and output so far) and ``output_share`` of its remaining ``max_tokens``
+    (capped at ``max_model_len``).
+
+    A waiting or swapped sequence holds no device blocks, so it counts in full; a running one
+    counts only its growth. Prefix-cache hits of waiting prompts are not subtracted: the figure is
+    an upper bound, which is the safe side for scaling. Exported over the pool size as
+    ``quire_kv_cache_demand_ratio``; above 1.0 the replica must queue or preempt.
+    """
+    if not 0.0 <= output_share <= 1.0:
+        raise ValueError(f"output_share must be in [0, 1]; got {output_share}")
+    kv = scheduler.kv
+    max_len = scheduler.config.max_model_len
+    demand = kv.stats().used
+    for seq in scheduler.seqs.values():
+        remaining = min(seq.max_tokens - len(seq.output_token_ids), max_len - seq.num_tokens)
+        projected = seq.num_tokens + int(output_share * max(remaining, 0))
+        demand += max(0, kv.num_blocks_for(projected) - len(kv.block_ids(seq.seq_id)))
+    return demand
+
 
 class ServerMetrics:
     """The metric objects, already bound to this server's ``model_name``."""
@@ -56,6 +85,12 @@ class ServerMetrics:
             return Histogram(metric, doc, name, buckets=buckets, registry=reg).labels(model_name)
 
         self.kv_usage = gauge("quire_kv_cache_usage_ratio", "Used KV blocks / total blocks (0-1).")
+        self.kv_demand = gauge(
+            "quire_kv_cache_demand_ratio",
+            "(Used KV blocks + blocks unfinished requests still need for their known tokens and "
+            f"{KV_DEMAND_OUTPUT_SHARE:g} of their remaining max_tokens) / total blocks; > 1 means "
+            "queueing or preemption ahead.",
+        )
         self.kv_blocks_total = gauge("quire_kv_blocks_total", "KV blocks in the device pool.")
         self.kv_blocks_free = gauge(
             "quire_kv_blocks_free", "Unreferenced KV blocks (including cached prefixes)."
@@ -191,6 +226,7 @@ class StatsRecorder:
         sched = self.scheduler
         stats = sched.kv.stats()
         m.kv_usage.set(stats.usage)
+        m.kv_demand.set(kv_demand_blocks(sched) / stats.total)
         m.kv_blocks_total.set(stats.total)
         m.kv_blocks_free.set(stats.free)
         m.running.set(sched.num_running)

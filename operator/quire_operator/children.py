@@ -15,6 +15,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL
 
 APPLY = "application/apply-patch+yaml"  # JSON is YAML, and the client sends dict bodies as JSON
 # (connect, read) seconds for every call.
@@ -29,12 +30,16 @@ class _Calls:
 
 
 class Children:
-    """The four kinds an InferenceService owns, behind one small interface."""
+    """The kinds an InferenceService owns, behind one small interface. KEDA's ScaledObject goes
+    through the custom-objects API; without KEDA installed, reading one answers 404 like a missing
+    object (nothing to delete) and applying one fails with 404 (reported as ApplyFailed)."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self._api = api
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         hpa, pdb = client.AutoscalingV2Api(api), client.PolicyV1Api(api)
+        custom = client.CustomObjectsApi(api)
+        keda = (KEDA_GROUP, KEDA_VERSION)
         self._calls = {
             "Deployment": _Calls(
                 apps.read_namespaced_deployment,
@@ -55,6 +60,18 @@ class Children:
                 pdb.read_namespaced_pod_disruption_budget,
                 pdb.patch_namespaced_pod_disruption_budget,
                 pdb.delete_namespaced_pod_disruption_budget,
+            ),
+            # The custom-objects calls in the typed clients' argument order (name, namespace, ...).
+            "ScaledObject": _Calls(
+                lambda name, ns, **kw: custom.get_namespaced_custom_object(
+                    *keda, ns, SCALED_OBJECT_PLURAL, name, **kw
+                ),
+                lambda name, ns, body, **kw: custom.patch_namespaced_custom_object(
+                    *keda, ns, SCALED_OBJECT_PLURAL, name, body, **kw
+                ),
+                lambda name, ns, **kw: custom.delete_namespaced_custom_object(
+                    *keda, ns, SCALED_OBJECT_PLURAL, name, **kw
+                ),
             ),
         }
 

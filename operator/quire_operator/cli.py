@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="reconcile every InferenceService this often, whatever the events (default 300)",
     )
+    parser.add_argument(
+        "--prometheus-address",
+        default=os.environ.get("QUIRE_PROMETHEUS_ADDRESS") or None,
+        help="Prometheus URL for KEDA ScaledObjects that name none [env QUIRE_PROMETHEUS_ADDRESS]",
+    )
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
@@ -143,7 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One line per liveness probe (every few seconds, forever) says nothing either.
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     operator_config = OperatorConfig(
-        engine_image=args.engine_image, cluster_domain=args.cluster_domain
+        engine_image=args.engine_image,
+        cluster_domain=args.cluster_domain,
+        prometheus_address=args.prometheus_address,
     )
     api = api_client()
     require_crd(api)

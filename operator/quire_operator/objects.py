@@ -13,10 +13,11 @@ from quire_operator import meta
 from quire_operator.deployment import PORT_NAME
 from quire_operator.spec import InferenceService
 
-# Pods metrics the HPA reads through the custom metrics API. The first two are engine gauges as
-# exported; the third is the name the chart's prometheus-adapter rule gives to
+# Pods metrics the HPA reads through the custom metrics API. The first three are engine gauges as
+# exported; the fourth is the name the chart's prometheus-adapter rule gives to
 # rate(quire_preemptions_total[1m]) per pod.
 KV_CACHE_METRIC = "quire_kv_cache_usage_ratio"
+KV_DEMAND_METRIC = "quire_kv_cache_demand_ratio"
 QUEUE_METRIC = "quire_num_requests_waiting"
 PREEMPTION_METRIC = "quire_preemptions_per_second"
 
@@ -64,6 +65,7 @@ def build_hpa(isvc: InferenceService) -> dict[str, Any] | None:
         return None
     targets = [
         (KV_CACHE_METRIC, autoscaling.target_kv_cache_utilization),
+        (KV_DEMAND_METRIC, autoscaling.target_kv_cache_demand),
         (QUEUE_METRIC, autoscaling.target_queue_depth),
         (PREEMPTION_METRIC, autoscaling.target_preemption_rate),
     ]

@@ -40,11 +40,12 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.autoscaling import build_autoscalers
 from quire_operator.children import TIMEOUT, Children
 from quire_operator.config import OperatorConfig
 from quire_operator.deployment import build_deployment
 from quire_operator.events import EventRecorder, transitions
-from quire_operator.objects import build_hpa, build_pdb, build_service
+from quire_operator.objects import build_pdb, build_service
 from quire_operator.observed import (
     DeploymentView,
     PodView,
@@ -153,11 +154,10 @@ class Reconciler:
         existing = {kind: self._children.read(kind, namespace, name) for kind in _KINDS}
         ours = {kind: obj for kind, obj in existing.items() if obj and controller_uid(obj) == uid}
         try:
-            isvc = parse(body)
+            wanted = self._build(parse(body))
         except (ValueError, KeyError) as err:
             invalid = Problem("InvalidSpec", f"spec cannot be applied: {err}")
             return invalid, ours.get("Deployment")
-        wanted = self._build(isvc)
         foreign = [
             kind
             for kind, obj in existing.items()
@@ -171,7 +171,10 @@ class Reconciler:
             )
             return Problem("NotOwned", message, retry=True), ours.get("Deployment")
         deployment = ours.get("Deployment")
-        for kind, child in wanted.items():
+        # Deletions first: a backend switch removes the old autoscaler before the new one exists,
+        # so two autoscalers never target the Deployment at once (the HPA controller then scales
+        # neither).
+        for kind, child in sorted(wanted.items(), key=lambda kind_child: kind_child[1] is not None):
             try:
                 if child is not None:
                     uid_now = ours[kind]["metadata"]["uid"] if kind in ours else None
@@ -183,15 +186,20 @@ class Reconciler:
             except ApiException as err:
                 if retriable(err):
                     raise
-                return Problem("ApplyFailed", f"{kind} {name}: {api_message(err)}"), deployment
+                message = api_message(err)
+                if kind == "ScaledObject" and err.status == 404:
+                    message = "KEDA is not installed (the API server has no keda.sh/v1alpha1)"
+                return Problem("ApplyFailed", f"{kind} {name}: {message}"), deployment
         return None, deployment
 
     def _build(self, isvc: InferenceService) -> dict[str, dict[str, Any] | None]:
-        """Each child kind -> its applied configuration, or None where the spec wants none."""
+        """Each child kind -> its applied configuration, or None where the spec wants none.
+        Raises ``ValueError`` for a spec that cannot be built (a KEDA backend with no Prometheus
+        address anywhere)."""
         return {
             "Deployment": build_deployment(isvc, self._config),
             "Service": build_service(isvc),
-            "HorizontalPodAutoscaler": build_hpa(isvc),
+            **dict(build_autoscalers(isvc, self._config)),
             "PodDisruptionBudget": build_pdb(isvc),
         }
 
@@ -241,4 +249,10 @@ class Reconciler:
 
 
 # The child kinds, in apply order: the Deployment first (the HPA targets it).
-_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+_KINDS = (
+    "Deployment",
+    "Service",
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+    "PodDisruptionBudget",
+)

@@ -115,6 +115,22 @@ class Placement:
     image_pull_secrets: tuple[str, ...] = ()
 
 
+class AutoscalingBackend(enum.Enum):
+    HPA = "hpa"  # an autoscaling/v2 HPA on Pods metrics (prometheus-adapter serves them)
+    KEDA = "keda"  # a KEDA ScaledObject with Prometheus triggers; KEDA owns its HPA
+
+
+@dataclass(frozen=True)
+class KedaSettings:
+    """ScaledObject settings; ``server_address`` None means the operator's default."""
+
+    server_address: str | None = None
+    polling_interval_s: int = 15
+    cooldown_period_s: int = 300
+    fallback_failure_threshold: int | None = None
+    fallback_replicas: int | None = None
+
+
 @dataclass(frozen=True)
 class Autoscaling:
     enabled: bool
@@ -125,6 +141,9 @@ class Autoscaling:
     target_preemption_rate: float | None
     # HPA ``behavior`` (scaleUp/scaleDown), defaulted by the CRD, passed through.
     behavior: Mapping[str, Any]
+    backend: AutoscalingBackend = AutoscalingBackend.HPA
+    target_kv_cache_demand: float | None = None
+    keda: KedaSettings = field(default_factory=KedaSettings)
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -135,6 +154,7 @@ class Autoscaling:
             raise ValueError("autoscaling.minReplicas must not exceed maxReplicas")
         targets = (
             self.target_kv_cache_utilization,
+            self.target_kv_cache_demand,
             self.target_queue_depth,
             self.target_preemption_rate,
         )
@@ -218,6 +238,9 @@ def parse_autoscaling(autoscaling: Mapping[str, Any]) -> Autoscaling:
         value = autoscaling.get(key)
         return None if value is None else float(value)
 
+    # backend and keda arrived with a later CRD: read with defaults for objects stored before.
+    keda = autoscaling.get("keda") or {}
+    fallback = keda.get("fallback") or {}
     return Autoscaling(
         enabled=autoscaling["enabled"],
         min_replicas=autoscaling["minReplicas"],
@@ -226,6 +249,15 @@ def parse_autoscaling(autoscaling: Mapping[str, Any]) -> Autoscaling:
         target_queue_depth=number("targetQueueDepth"),
         target_preemption_rate=number("targetPreemptionRate"),
         behavior=dict(autoscaling.get("behavior") or {}),
+        backend=AutoscalingBackend(autoscaling.get("backend", "hpa")),
+        target_kv_cache_demand=number("targetKVCacheDemand"),
+        keda=KedaSettings(
+            server_address=keda.get("serverAddress"),
+            polling_interval_s=keda.get("pollingInterval", 15),
+            cooldown_period_s=keda.get("cooldownPeriod", 300),
+            fallback_failure_threshold=fallback.get("failureThreshold"),
+            fallback_replicas=fallback.get("replicas"),
+        ),
     )
 
 

@@ -4,6 +4,8 @@
   kubectl, kwok and helm (``ensure_binaries``).
 - ``launcher``: ``ControlPlane`` starts them on 127.0.0.1 with two fake kwok nodes.
 - ``nodes``: names, labels and taints of those nodes, for tests to use.
+- ``addons_build`` / ``addons``: KEDA, prometheus-adapter and Prometheus, built or fetched on
+  demand and started next to a ``ControlPlane`` (the autoscaling tests in tests/e2e).
 - ``python -m tests.cluster up``: the same cluster for a person at a shell.
 """
 

@@ -36,6 +36,12 @@ K8S_VERSION = "v1.35.4"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.20.2"
+# The autoscaling add-ons (tests/e2e): built or fetched only by ensure_autoscaling_binaries().
+KEDA_VERSION = "v2.21.0"
+PROMETHEUS_ADAPTER_VERSION = "v0.12.0"
+# Prometheus comes from the distribution (Debian's `prometheus`, 2.42 on bookworm): `apt-get
+# download` needs no root and no cgo-free rebuild of Prometheus's many service-discovery modules.
+PROMETHEUS_PACKAGE = "prometheus"
 
 # The highest `go` directive among those modules' go.mod files (etcd and kwok say 1.26.0); the
 # build checks the real directives too, this is only for the message when Go is missing.
@@ -47,9 +53,13 @@ MODULES = {
     "etcd": ("go.etcd.io/etcd/server/v3", ETCD_VERSION),
     "kwok": ("sigs.k8s.io/kwok", KWOK_VERSION),
     "helm": ("helm.sh/helm/v3", HELM_VERSION),
+    "keda": ("github.com/kedacore/keda/v2", KEDA_VERSION),
+    "prometheus-adapter": ("sigs.k8s.io/prometheus-adapter", PROMETHEUS_ADAPTER_VERSION),
 }
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+# KEDA's two programs, named after their package directories (cmd/operator, cmd/adapter).
+KEDA_BINARIES = ("operator", "adapter")
 
 # kwok ships its Stage configs inside the module; these are the files its own
 # kustomize/stage/fast bundle lists (fast node init, heartbeat with lease, fast pod lifecycle).
@@ -302,6 +312,44 @@ class _Builder:
             output_name="etcd",
         )
 
+    def keda(self) -> None:
+        """KEDA's operator and metrics API server, plus its CRDs copied from the module.
+
+        KEDA's go.mod replaces a module with a pinned pseudo-version; replaces of a dependency
+        are ignored, so the throwaway main module repeats them (version-to-version ones only).
+        """
+        info = self.infos["keda"]
+        replaces = re.findall(
+            r"^replace\s+(\S+\s+\S+\s+=>\s+\S+\s+v\S+)\s*$", Path(info["GoMod"]).read_text(), re.M
+        )
+        crd_dir = Path(info["Dir"]) / "config" / "crd" / "bases"
+        crds = sorted(crd_dir.glob("*.yaml"))
+        if not crds:
+            raise BuildError(f"KEDA {KEDA_VERSION} has no CRDs under {crd_dir}")
+        version_var = "github.com/kedacore/keda/v2/version.Version"
+        self._build_in_module(
+            component="keda",
+            version=KEDA_VERSION,
+            require=f"github.com/kedacore/keda/v2 {KEDA_VERSION}",
+            extra_gomod="".join(f"replace {line}\n" for line in replaces),
+            packages=[f"github.com/kedacore/keda/v2/cmd/{name}" for name in KEDA_BINARIES],
+            ldflags=["-s", "-w", f"-X {version_var}={KEDA_VERSION}"],
+            extra_files={f"crds/{path.name}": path for path in crds},
+        )
+
+    def prometheus_adapter(self) -> None:
+        """prometheus-adapter. ``go install ...@v`` asks the proxy for the module's version list
+        (to print deprecations), which the proxy may refuse; a throwaway module does not."""
+        self._build_in_module(
+            component="prometheus-adapter",
+            version=PROMETHEUS_ADAPTER_VERSION,
+            require=f"sigs.k8s.io/prometheus-adapter {PROMETHEUS_ADAPTER_VERSION}",
+            extra_gomod="",
+            packages=["sigs.k8s.io/prometheus-adapter/cmd/adapter"],
+            ldflags=["-s", "-w"],
+            output_name="prometheus-adapter",
+        )
+
     def kwok(self) -> None:
         """kwok (plain ``go install`` works) plus its Stage configs copied from the module."""
         module_dir = Path(self.infos["kwok"]["Dir"])
@@ -334,6 +382,7 @@ class _Builder:
         packages: list[str],
         ldflags: list[str],
         output_name: str | None = None,
+        extra_files: dict[str, Path] | None = None,
     ) -> None:
         with (
             self._staging(component, version) as out,
@@ -350,6 +399,9 @@ class _Builder:
                 cwd=Path(module),
                 nice=True,
             )
+            for rel, source in (extra_files or {}).items():
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, out / rel)
 
     def _go_install(self, spec: str, out: Path, ldflags: list[str]) -> None:
         env = dict(self.env, GOBIN=str(out))

@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -61,7 +61,13 @@ def tail(path: Path, lines: int = 40) -> str:
 class ManagedProcess:
     """One control-plane component running in its own session, output going to ``log_path``."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
@@ -75,6 +81,7 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent,
+            env=None if env is None else {**os.environ, **env},  # None: inherit ours
         )
 
     @property

@@ -26,7 +26,12 @@ import yaml
 from quire_engine.metrics import ServerMetrics
 from quire_operator import meta
 from quire_operator.deployment import PORT_NAME
-from quire_operator.objects import KV_CACHE_METRIC, PREEMPTION_METRIC, QUEUE_METRIC
+from quire_operator.objects import (
+    KV_CACHE_METRIC,
+    KV_DEMAND_METRIC,
+    PREEMPTION_METRIC,
+    QUEUE_METRIC,
+)
 from quire_operator.settings import operator_settings
 from tests.cluster.build import K8S_VERSION, Binaries
 from tests.cluster.client import ClusterHandle, wait_for
@@ -442,6 +447,7 @@ def test_full_values_render_is_accepted_by_the_api_server(
         "--liveness=http://0.0.0.0:9090/healthz",
         f"--peering={operator}",
         "--log-format=json",
+        "--prometheus-address=http://prometheus.monitoring.svc:9090",
         "--verbose",
         "--priority=100",
     ]
@@ -514,7 +520,7 @@ def test_adapter_rules_serve_exactly_the_metrics_the_operator_hpas_use(
     ]
     rules = yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
     exposed = {rule["name"]["as"]: rule for rule in rules}
-    assert exposed.keys() == {KV_CACHE_METRIC, QUEUE_METRIC, PREEMPTION_METRIC}
+    assert exposed.keys() == {KV_CACHE_METRIC, KV_DEMAND_METRIC, QUEUE_METRIC, PREEMPTION_METRIC}
     series = engine_series()
     for name, rule in exposed.items():
         # Discovery: one engine series, with the scrape's pod labels; the name regex matches it.
@@ -586,6 +592,7 @@ def test_examples_are_valid_inference_services(cluster: ClusterHandle, namespace
         doc["metadata"]["namespace"] = namespace
     assert server_dry_run(cluster, docs) == [
         "inferenceservice.quire.dev/qwen-0-5b",
+        "inferenceservice.quire.dev/qwen-0-5b-keda",
         "inferenceservice.quire.dev/qwen-0-5b-mig",
         "inferenceservice.quire.dev/tiny-cpu",
     ]

@@ -63,6 +63,7 @@ NAMESPACED_RULES = [
         "delete",
     ),
     rule("policy", "poddisruptionbudgets", "get", "list", "watch", "create", "patch", "delete"),
+    rule("keda.sh", "scaledobjects", "get", "create", "patch", "delete"),
     rule("", "pods", "list", "watch"),
     rule("", "events", "create"),
 ]

@@ -89,7 +89,8 @@ quire.rbac.rules: every API call quire-operator makes on namespaced objects, and
 server-side apply: a PATCH, which the API server also authorizes as create when the object does
 not exist yet (so patch and create, never update).
 Deletion of children is left to the garbage collector (owner references): no delete verbs,
-except for the HPA and PDB, which the operator removes when the spec no longer asks for them.
+except for the HPA, ScaledObject and PDB, which the operator removes when the spec no longer asks
+for them.
 */}}
 {{- define "quire.rbac.rules" -}}
 # kopf watches InferenceServices and keeps its progress in their annotations (patch); the
@@ -123,6 +124,11 @@ except for the HPA and PDB, which the operator removes when the spec no longer a
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# KEDA ScaledObjects (autoscaling.backend keda): applied, and read and deleted when the backend
+# switches or autoscaling goes off. Not watched: the operator runs without KEDA installed.
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, create, patch, delete]
 # Engine pods: watched and listed to explain an unready replica in the status (never changed).
 - apiGroups: [""]
   resources: [pods]
