@@ -66,12 +66,20 @@ class AutoscalingStack:
         self.processes: list[ManagedProcess] = []
         self.prometheus_url = ""
         self._registered: list[str] = []  # APIService names
+        self._crd_files: list[str] = []  # kubectl -f arguments of the CRDs this stack applied
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Unregister the APIServices (so the API server stops proxying to dead ports), then stop
-        every process. Idempotent."""
+        """Remove the CRDs it applied (while KEDA still runs to clear its finalizers: the cluster
+        is shared with tests that need one without KEDA), unregister the APIServices (so the API
+        server stops proxying to dead ports), then stop every process. Idempotent."""
+        if self._crd_files:
+            kubectl = str(self.cluster.binaries.kubectl)
+            self._kubectl(
+                kubectl, "delete", "--ignore-not-found", "--timeout=120s", *self._crd_files
+            )
+            self._crd_files.clear()
         for name in reversed(self._registered):
             self.cluster.request("DELETE", f"/apis/apiregistration.k8s.io/v1/apiservices/{name}")
         self._registered.clear()
@@ -144,6 +152,7 @@ class AutoscalingStack:
         APIService; returns once the API server reports that APIService Available."""
         kubectl = str(self.cluster.binaries.kubectl)
         files = [arg for crd in self.binaries.keda_crds for arg in ("-f", str(crd))]
+        self._crd_files = files
         self._kubectl(kubectl, "apply", "--server-side", *files)
         self._kubectl(kubectl, "wait", "--for=condition=Established", "--timeout=60s", *files)
         self._ensure_namespace(KEDA_NAMESPACE)

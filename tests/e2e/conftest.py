@@ -1,7 +1,7 @@
 """Fixtures for the autoscaling end-to-end tests.
 
-- ``cluster``, ``namespace``, ``crds``, ``operators``: the operator tests' fixtures (a real
-  control plane built from Go sources; see tests/operator_tests/conftest.py), reused as is.
+- ``cluster``, ``namespace``, ``crds``, ``operators``: the shared control-plane fixtures of
+  tests/conftest.py (one control plane per session, also used by the operator tests).
 - ``autoscaling_binaries`` (session): KEDA and prometheus-adapter built from their Go modules and
   Prometheus unpacked from Debian's package, cached under ~/.cache/quire (first run: tens of
   minutes, mostly KEDA). Same policy as the cluster: skipped locally without Go, failed under
@@ -24,13 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.cluster.build import BuildError, GoUnavailable
-from tests.operator_tests import conftest as cluster_fixtures
-
-# The operator tests' fixtures, registered here under the same names.
-cluster = cluster_fixtures.cluster
-namespace = cluster_fixtures.namespace
-crds = cluster_fixtures.crds
-operators = cluster_fixtures.operators
+from tests.conftest import _unavailable
 
 if TYPE_CHECKING:
     from tests.cluster.addons import AutoscalingStack
@@ -53,7 +47,7 @@ def autoscaling_binaries(request: pytest.FixtureRequest) -> AutoscalingBinaries:
         with show:
             return ensure_autoscaling_binaries()
     except (GoUnavailable, BuildError) as err:
-        cluster_fixtures._unavailable(str(err))
+        _unavailable(str(err))
 
 
 # Package scope: KEDA, Prometheus and the adapter stop once the e2e tests are done, instead of

@@ -1,4 +1,5 @@
-"""Fixtures for tests against a real Kubernetes control plane (see docs/test-cluster.md).
+"""Fixtures for tests against a real Kubernetes control plane (see docs/test-cluster.md), shared
+by tests/operator_tests/ and tests/e2e/ so a session starts one control plane.
 
 - ``binaries`` (session): the cached binaries (built if missing), for helm lint/template tests
   that need no running control plane.
