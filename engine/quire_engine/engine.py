@@ -55,7 +55,10 @@ class _Request:
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done
-        return len(self.samples) == self.params.n and all(s.output.finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # the common case, once per request per step
+            return self.params.n == 1 and samples[0].output.finish_reason is not None
+        return len(samples) == self.params.n and all(s.output.finished for s in samples)
 
 
 class LLMEngine:
@@ -203,44 +206,59 @@ class LLMEngine:
         if out.is_empty:
             return []
         logits = self.runner.execute(out)  # [num_sampling_seqs, vocab]
-        sampling = [seq for seq, s in zip(out.seqs, out.samples, strict=True) if s]
 
+        # This loop runs once per sequence per step (hundreds per step): plain locals, and the
+        # n > 1 fan-out is the only case that leaves the one-row-per-sequence shape.
+        owner = self._owner
         rows: list[SampleRow] = []
         row_index: list[int] = []
         targets: list[tuple[_Request, _Sample, int]] = []  # (request, parent sample, sample idx)
         beam_rows: list[tuple[_Request, Sequence, int]] = []
-        for i, seq in enumerate(sampling):
-            req, smp = self._owner[seq.seq_id]
+        i = 0
+        for seq, sampled in zip(out.seqs, out.samples, strict=True):
+            if not sampled:
+                continue
+            req, smp = owner[seq.seq_id]
             if req.beam is not None:
                 beam_rows.append((req, seq, i))
-                continue
-            fan_out = req.params.n if len(req.samples) == 1 and not seq.output_token_ids else 1
-            for j in range(fan_out):
-                gen = smp.generator if j == 0 else self._fork_generator(req, j)
-                rows.append(SampleRow(req.params, gen, smp.seq.output_token_ids))
+            elif req.params.n > 1 and len(req.samples) == 1 and not seq.output_token_ids:
+                for j in range(req.params.n):
+                    gen = smp.generator if j == 0 else self._fork_generator(req, j)
+                    rows.append(SampleRow(req.params, gen, seq.output_token_ids))
+                    row_index.append(i)
+                    targets.append((req, smp, j))
+            else:
+                rows.append(SampleRow(req.params, smp.generator, seq.output_token_ids))
                 row_index.append(i)
-                targets.append((req, smp, j))
+                targets.append((req, smp, 0))
+            i += 1
 
         touched: dict[str, _Request] = {}
-        result = sample(logits[row_index], rows) if rows else None
+        result = None
+        if rows:
+            # One row per sampling sequence (the usual case) needs no gather.
+            plain = len(row_index) == logits.shape[0]
+            result = sample(logits if plain else logits[row_index], rows)
+        tokens = result.token_ids if result is not None else []
         primary = {
-            smp.seq.seq_id: tok
-            for (_, smp, j), tok in zip(targets, result.token_ids if result else [], strict=True)
-            if j == 0
+            smp.seq.seq_id: tok for (_, smp, j), tok in zip(targets, tokens, strict=True) if j == 0
         }
         self.scheduler.update(out, primary)
         if result is not None:
             # Fork every new sample before any stop check can finish (and free) its parent.
             streams = [
                 smp if j == 0 else self._fork_sample(req, smp, j, tok, rows[k].generator)
-                for k, ((req, smp, j), tok) in enumerate(
-                    zip(targets, result.token_ids, strict=True)
-                )
+                for k, ((req, smp, j), tok) in enumerate(zip(targets, tokens, strict=True))
             ]
+            logprobs, top = result.logprobs, result.top_logprobs
             for k, ((req, _, _), stream) in enumerate(zip(targets, streams, strict=True)):
-                lp = result.logprobs[k] if result.logprobs is not None else None
-                top = result.top_logprobs[k] if result.top_logprobs is not None else None
-                self._emit_token(req, stream, result.token_ids[k], lp, top)
+                self._emit_token(
+                    req,
+                    stream,
+                    tokens[k],
+                    logprobs[k] if logprobs is not None else None,
+                    top[k] if top is not None else None,
+                )
                 touched[req.request_id] = req
         for req, seq, i in beam_rows:
             if req.request_id in self._requests:
@@ -294,7 +312,7 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        else:
+        elif params.stop and new_text:
             hit = find_stop(smp.detok.text, len(new_text), params.stop)
             if hit is not None:
                 idx, stop = hit
@@ -324,6 +342,8 @@ class LLMEngine:
                 self._owner.pop(s.seq.seq_id, None)
         if req.beam is not None:
             outputs = beam_search.outputs(self, req.beam) if finished else []
+        elif len(req.samples) == 1:
+            outputs = [_copy(req.samples[0].output)]
         else:
             outputs = [_copy(s.output) for s in sorted(req.samples, key=lambda s: s.output.index)]
         return RequestOutput(
@@ -336,12 +356,12 @@ class LLMEngine:
 
 
 def _copy(out: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
-        index=out.index,
-        text=out.text,
-        token_ids=list(out.token_ids),
-        cumulative_logprob=out.cumulative_logprob,
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
+    return CompletionOutput(  # positional: this runs once per sequence per step
+        out.index,
+        out.text,
+        out.token_ids[:],
+        out.cumulative_logprob,
+        out.logprobs[:] if out.logprobs is not None else None,
+        out.finish_reason,
+        out.stop_reason,
     )
