@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from quire_engine import attention
 from quire_engine.kernels import triton_usable
 from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
+from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 from quire_engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,18 @@ class ModelRunner:
         self._move_blocks(out)
         x = build_step_inputs(out)
         dev = self.device
+        cpu_plan = None
+        if dev.type == "cpu" and not self.use_triton:
+            shape = self.shape
+            cpu_plan = CpuAttentionPlan.build(
+                slots=x.slots,
+                block_tables=x.tables,
+                seq_lens=x.seq_lens,
+                query_start_loc=x.qsl,
+                block_size=shape.block_size,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+            )
         md = attention.AttentionMetadata(
             kv_caches=self._kv_pairs,
             slot_mapping=torch.from_numpy(x.slots).to(dev, non_blocking=True),
@@ -106,6 +119,7 @@ class ModelRunner:
             max_query_len=int(x.counts.max()),
             max_seq_len=int(x.seq_lens.max()),
             use_triton=self.use_triton,
+            cpu_plan=cpu_plan,
         )
         result = self.model(
             input_ids=torch.from_numpy(x.input_ids).to(dev).unsqueeze(0),

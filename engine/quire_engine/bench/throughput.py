@@ -38,8 +38,27 @@ from quire_engine.bench.workload import RequestLengths, sharegpt_like
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.tiny_model import build_tokenizer
 
+# Named workloads: flag defaults they override (explicit flags still win).
+PRESETS: dict[str, dict[str, Any]] = {
+    # The workload of issue 14: a 32.5M-parameter Llama (9 layers), 64 requests, a KV budget
+    # of 12 x 1024 = 12,288 tokens.
+    "32m": {"layers": 9, "budget_seqs": 12},
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named workload (32m: 32.5M-parameter Llama, 12,288-token KV budget)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split Quire's step time (matmuls, attention, rest of the forward, per-step "
+        "Python) in a second, hooked run; throughput is from the plain run",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--mean-prompt", type=float, default=128)
     parser.add_argument("--mean-output", type=float, default=128)
@@ -47,12 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-seqs",
         type=int,
-        default=8,
-        help="KV budget = this many contiguous max_model_len sequences",
+        default=None,
+        help="KV budget = this many contiguous max_model_len sequences (default 8)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=None, help="default 6")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -70,18 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_config(args: argparse.Namespace) -> LlamaConfig:
-    # ~23M parameters at the defaults: big enough that matmuls, not Python, dominate a step on
-    # 2 CPU cores, small enough that three systems finish in minutes.
-    hidden = args.hidden_size
+    return llama_config(args.hidden_size, args.layers, args.vocab_size, args.max_model_len)
+
+
+def llama_config(hidden: int, layers: int, vocab: int, max_model_len: int) -> LlamaConfig:
+    """The benchmark Llama: ~23M parameters at hidden 512, 6 layers, vocab 4096 (32.5M at 9
+    layers): big enough that matmuls, not Python, dominate a step on 2 CPU cores, small enough
+    that three systems finish in minutes. No EOS, so every request runs to its max_tokens."""
     return LlamaConfig(
-        vocab_size=args.vocab_size,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
-        num_hidden_layers=args.layers,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=hidden // 8,
-        max_position_embeddings=args.max_model_len,
+        max_position_embeddings=max_model_len,
         initializer_range=0.05,
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -90,7 +113,17 @@ def bench_config(args: argparse.Namespace) -> LlamaConfig:
     )
 
 
+def _apply_preset(args: argparse.Namespace) -> None:
+    values = {"layers": 6, "budget_seqs": 8}
+    if args.preset is not None:
+        values.update(PRESETS[args.preset])
+    for name, value in values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    _apply_preset(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     lengths = sharegpt_like(
@@ -123,7 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory() as tmp:
         if "quire" in systems:
-            result["quire_tok_s"] = _quire(model, Path(tmp), prompts, lengths, budget, args)
+            tok_s, profile = _quire(model, Path(tmp), prompts, lengths, budget, args)
+            result["quire_tok_s"] = tok_s
+            if profile is not None:
+                result["quire_profile"] = profile
         if "hf_static" in systems:
             tok_s, waves = _hf_static(model, prompts, lengths, budget)
             result["hf_static_tok_s"], result["hf_static_waves"] = tok_s, waves
@@ -144,7 +180,8 @@ def _quire(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> float:
+) -> tuple[float, dict[str, Any] | None]:
+    from quire_engine.bench.profile import StepProfile
     from quire_engine.llm import LLM
 
     path = tmp / "model"
@@ -171,7 +208,13 @@ def _quire(
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(r.output for r in lengths):
         raise RuntimeError("quire produced the wrong number of tokens")
-    return round(produced / elapsed, 1)
+    profile = None
+    if args.profile:
+        prof = StepProfile()
+        with prof.attach(llm.engine):
+            llm.generate(prompts, params)
+        profile = prof.report()
+    return round(produced / elapsed, 1), profile
 
 
 def _hf_static(
