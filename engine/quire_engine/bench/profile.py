@@ -31,23 +31,24 @@ from quire_engine import attention
 from quire_engine.engine import LLMEngine
 
 
+def timed(totals: dict[str, int], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` adding its thread CPU nanoseconds to ``totals[name]`` at every call."""
+    clock = time.thread_time_ns
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] = totals.get(name, 0) + clock() - t0
+
+    return wrapper
+
+
 class StepProfile:
     def __init__(self) -> None:
         self.ns: dict[str, int] = {"step": 0, "forward": 0, "matmuls": 0, "attention": 0}
         self.steps = 0
-
-    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.thread_time_ns
-        totals = self.ns
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] += clock() - t0
-
-        return timed
 
     @contextmanager
     def attach(self, engine: LLMEngine) -> Iterator[None]:
@@ -76,10 +77,10 @@ class StepProfile:
             self.steps += 1
             return step()
 
-        engine.step = self._timed("step", counted_step)  # type: ignore[method-assign]
+        engine.step = timed(self.ns, "step", counted_step)  # type: ignore[method-assign]
         # Models look their attention function up by name at every call.
         AttentionInterface.register(
-            attention.ATTENTION_NAME, self._timed("attention", attention.paged_attention_forward)
+            attention.ATTENTION_NAME, timed(self.ns, "attention", attention.paged_attention_forward)
         )
         try:
             yield

@@ -38,6 +38,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,9 +205,11 @@ def _compare(args: argparse.Namespace) -> dict[str, Any]:
         )
         for system in systems:
             log = Path(tmp) / f"{system}.log"
-            with servers.launched(system, spec, log) as url:
+            with servers.launched(system, spec, log) as server:
                 args.model = str(model_dir)
-                result[system] = asyncio.run(_bench(args, url, workload, warm_up=True))
+                result[system] = asyncio.run(
+                    _bench(args, server.url, workload, warm_up=True, cpu=server.cpu_seconds)
+                )
         if args.offline:
             result["offline"] = _offline(spec, workload, args.max_concurrency)
     _ratios(result)
@@ -238,14 +241,16 @@ def _offline(
         for r in workload.lengths
     ]
     llm.generate(workload.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=2)] * 2)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(list(workload.prompts), params)
-    duration = time.perf_counter() - start
+    duration, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "duration_s": round(duration, 3),
         "total_output_tokens": produced,
         "output_throughput": round(produced / duration, 2),
+        "cpu_s": round(cpu_s, 2),
+        "output_tokens_per_cpu_s": round(produced / cpu_s, 2),
     }
 
 
@@ -257,12 +262,22 @@ def _ratios(result: dict[str, Any]) -> None:
         other = result.get(peer)
         if other and other.get("output_throughput"):
             result[key] = round(quire["output_throughput"] / other["output_throughput"], 3)
+        # Per CPU second: robust to other processes' load on a shared machine.
+        if other and other.get("output_tokens_per_cpu_s") and quire.get("output_tokens_per_cpu_s"):
+            ratio = quire["output_tokens_per_cpu_s"] / other["output_tokens_per_cpu_s"]
+            result[f"{key}_per_cpu_s"] = round(ratio, 3)
 
 
 async def _bench(
-    args: argparse.Namespace, url: str, workload: _Workload | None, *, warm_up: bool = False
+    args: argparse.Namespace,
+    url: str,
+    workload: _Workload | None,
+    *,
+    warm_up: bool = False,
+    cpu: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """Run the workload (None: built for the server's max_model_len) against ``url``."""
+    """Run the workload (None: built for the server's max_model_len) against ``url``; ``cpu``
+    reads the server's CPU seconds, to report output tokens per server CPU second."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # One connection per request in flight, as real clients behave; no pool limit of our own.
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
@@ -278,6 +293,7 @@ async def _bench(
             await _request(client, model, workload.prompts[0], warm, None, workload.ignore_eos)
         rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        cpu_start = cpu() if cpu is not None else None
         start = time.perf_counter()
         tasks = []
         for prompt, length in zip(workload.prompts, workload.lengths, strict=True):
@@ -290,7 +306,12 @@ async def _bench(
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return _report(args, url, model, results, duration)
+        cpu_s = cpu() - cpu_start if cpu is not None and cpu_start is not None else None
+    report = _report(args, url, model, results, duration)
+    if cpu_s:
+        report["server_cpu_s"] = round(cpu_s, 2)
+        report["output_tokens_per_cpu_s"] = round(report["total_output_tokens"] / cpu_s, 2)
+    return report
 
 
 async def _model(client: httpx2.AsyncClient, model: str | None) -> tuple[str, int]:

@@ -99,9 +99,20 @@ def command(system: str, spec: ServerSpec, port: int) -> list[str]:
     raise ValueError(f"unknown server {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
+@dataclass(frozen=True, slots=True)
+class Launched:
+    url: str
+    pid: int
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (all its threads)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def launched(system: str, spec: ServerSpec, log_path: Path) -> Iterator[str]:
-    """Start the server, wait until it answers, yield its base URL, stop it."""
+def launched(system: str, spec: ServerSpec, log_path: Path) -> Iterator[Launched]:
+    """Start the server, wait until it answers, yield it, stop it."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
@@ -111,7 +122,7 @@ def launched(system: str, spec: ServerSpec, log_path: Path) -> Iterator[str]:
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_ready(proc, url, system, log_path)
-            yield url
+            yield Launched(url, proc.pid)
         finally:
             _stop(proc)
 

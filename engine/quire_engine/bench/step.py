@@ -18,7 +18,7 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from quire_engine import engine as engine_module
+from quire_engine.bench.profile import timed
 from quire_engine.bench.workload import random_tokens
 from quire_engine.llm import LLM
 from quire_engine.sampling_params import SamplingParams
@@ -67,26 +68,6 @@ class StandInModel(torch.nn.Module):
 
     def forward(self, *, logits_to_keep: torch.Tensor, **_: Any) -> _Logits:
         return _Logits(self.buffer[:, : logits_to_keep.shape[0]])
-
-
-class _PhaseClock:
-    """Accumulates thread CPU time per named phase by wrapping functions (``--profile``)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, int] = {}
-
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.thread_time_ns
-        totals = self.totals
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] = totals.get(name, 0) + clock() - t0
-
-        return timed
 
 
 @contextmanager
@@ -139,13 +120,13 @@ def _measure(
     ids = [f"step-{count}-{i}" for i in range(count)]
     for rid in ids:
         engine.add_request(rid, random_tokens(rng, args.prompt_len, 256), params)
-    clock = _PhaseClock()
+    totals: dict[str, int] = {}
     try:
         engine.step()  # prefill every prompt (the budget holds them all)
         if engine.scheduler.num_running != count or engine.scheduler.num_waiting:
             raise ValueError(f"could not run {count} sequences at once")
         timings: list[float] = []
-        with _profiled(engine, clock, args.profile):
+        with _profiled(engine, totals, args.profile):
             for _ in range(args.steps):
                 t0 = time.thread_time_ns()
                 engine.step()
@@ -161,24 +142,25 @@ def _measure(
     }
     if args.profile:
         total = sum(timings)
-        phases = {name: ns / 1000 / args.steps for name, ns in clock.totals.items()}
+        phases = {name: ns / 1000 / args.steps for name, ns in totals.items()}
         phases["other"] = total / args.steps - sum(phases.values())
         out["split_us_per_step"] = {k: round(v, 1) for k, v in phases.items()}
     return out
 
 
 @contextmanager
-def _profiled(engine: engine_module.LLMEngine, clock: _PhaseClock, on: bool) -> Iterator[None]:
+def _profiled(engine: engine_module.LLMEngine, totals: dict[str, int], on: bool) -> Iterator[None]:
     """Time schedule, the runner (inputs + stand-in forward), sampling and detokenization."""
     if not on:
         yield
         return
     detok_cls = engine_module.Detokenizer
+    sched, runner = engine.scheduler, engine.runner
     with (
-        _patched(engine.scheduler, "schedule", clock.wrap("schedule", engine.scheduler.schedule)),
-        _patched(engine.runner, "execute", clock.wrap("runner", engine.runner.execute)),
-        _patched(engine.scheduler, "update", clock.wrap("update", engine.scheduler.update)),
-        _patched(engine_module, "sample", clock.wrap("sample", engine_module.sample)),
-        _patched(detok_cls, "add", clock.wrap("detokenize", detok_cls.add)),
+        _patched(sched, "schedule", timed(totals, "schedule", sched.schedule)),
+        _patched(runner, "execute", timed(totals, "runner", runner.execute)),
+        _patched(sched, "update", timed(totals, "update", sched.update)),
+        _patched(engine_module, "sample", timed(totals, "sample", engine_module.sample)),
+        _patched(detok_cls, "add", timed(totals, "detokenize", detok_cls.add)),
     ):
         yield
