@@ -83,32 +83,37 @@ class CpuAttentionPlan:
         tables = torch.from_numpy(block_tables).long()  # [S, max_blocks]
         token_bytes = num_kv_heads * head_dim * 4
 
+        # Decode sequences longest first (a stable sort, as the reference's sorted()); the
+        # per-chunk tensors are slices of tensors built once for all of them.
+        decode = np.flatnonzero(np.diff(query_start_loc) == 1)
+        order = decode[np.argsort(-seq_lens[decode], kind="stable")]
+        sorted_lens = seq_lens[order].tolist()
+        order_t = torch.from_numpy(order)
+        rows_all = torch.from_numpy(query_start_loc[:-1][order].astype(np.int64))  # [D]
+        tables_all = tables[order_t]  # [D, max_blocks]
+        lens_all = torch.from_numpy(seq_lens[order].astype(np.int64))
         decode_chunks: list[_DecodeChunk] = []
-        order = sorted((s for s, n in enumerate(q_lens) if n == 1), key=lambda s: -lens[s])
         i = 0
-        while i < len(order):
-            num_blocks = -(-lens[order[i]] // block_size)
+        while i < len(sorted_lens):
+            num_blocks = -(-sorted_lens[i] // block_size)
             padded = num_blocks * block_size
             end = i + 1
             limit = max(1, _DECODE_CHUNK_BYTES // (padded * token_bytes))
-            while end < len(order) and end - i < limit and 2 * lens[order[end]] > padded:
+            while end < len(sorted_lens) and end - i < limit and 2 * sorted_lens[end] > padded:
                 end += 1
-            chunk = order[i:end]
-            i = end
-            index = torch.tensor(chunk)
-            chunk_lens = torch.tensor([lens[s] for s in chunk])
             # Always a mask, even when every key is visible: the reference passes one, and SDPA
             # may take another kernel without it (results equal only to rounding).
-            mask = (torch.arange(padded) < chunk_lens[:, None])[:, None, None, :]
+            mask = torch.arange(padded) < lens_all[i:end, None]  # [n, padded]
             decode_chunks.append(
                 _DecodeChunk(
-                    rows=torch.tensor([starts[s] for s in chunk]),
-                    blocks=tables[index, :num_blocks].flatten(),
-                    num_seqs=len(chunk),
+                    rows=rows_all[i:end],
+                    blocks=tables_all[i:end, :num_blocks].flatten(),
+                    num_seqs=end - i,
                     padded=padded,
-                    mask=mask,
+                    mask=mask[:, None, None, :],
                 )
             )
+            i = end
 
         prefill: list[_Prefill] = []
         for s, n in enumerate(q_lens):
