@@ -13,7 +13,9 @@ budget is ``--budget-seqs`` contiguous ``max_model_len`` sequences, in tokens:
 * HF continuous: transformers' continuous-batching manager with its paged cache held to the same
   number of tokens, per-request ``max_new_tokens``.
 
-Throughput = requested output tokens / wall time. The model is a Llama built from a config with
+Throughput = requested output tokens / wall time, and per CPU second of the process (the
+``_per_cpu_s`` keys: every system runs one torch thread, so this is robust to other processes'
+load on a shared machine). The model is a Llama built from a config with
 random weights (the cost of a forward pass does not depend on the values).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,22 +158,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
     }
     with tempfile.TemporaryDirectory() as tmp:
+        rates: dict[str, _Rate] = {}
         if "quire" in systems:
-            tok_s, profile = _quire(model, Path(tmp), prompts, lengths, budget, args)
-            result["quire_tok_s"] = tok_s
+            rates["quire"], profile = _quire(model, Path(tmp), prompts, lengths, budget, args)
             if profile is not None:
                 result["quire_profile"] = profile
         if "hf_static" in systems:
-            tok_s, waves = _hf_static(model, prompts, lengths, budget)
-            result["hf_static_tok_s"], result["hf_static_waves"] = tok_s, waves
+            rates["hf_static"], result["hf_static_waves"] = _hf_static(
+                model, prompts, lengths, budget
+            )
         if "hf_continuous" in systems:
-            result["hf_continuous_tok_s"] = _hf_continuous(model, prompts, lengths, budget, args)
-    if "quire_tok_s" in result:
+            rates["hf_continuous"] = _hf_continuous(model, prompts, lengths, budget, args)
+    for name, rate in rates.items():
+        result[f"{name}_tok_s"] = round(rate.tokens / rate.wall_s, 1)
+        result[f"{name}_tok_per_cpu_s"] = round(rate.tokens / rate.cpu_s, 1)
+    if "quire" in rates:
+        quire = rates["quire"]
         for peer in ("hf_static", "hf_continuous"):
-            if f"{peer}_tok_s" in result:
-                ratio = result["quire_tok_s"] / result[f"{peer}_tok_s"]
-                result[f"ratio_vs_{peer.removeprefix('hf_')}"] = round(ratio, 2)
+            if peer in rates:
+                short = peer.removeprefix("hf_")
+                ratio = rates[peer].wall_s / quire.wall_s  # same tokens: time ratio
+                result[f"ratio_vs_{short}"] = round(ratio, 2)
+                result[f"ratio_vs_{short}_per_cpu_s"] = round(rates[peer].cpu_s / quire.cpu_s, 2)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Rate:
+    """Output tokens of one system's timed run, its wall time and its process CPU time (every
+    system runs one torch thread, so CPU time is its work; unlike wall time it does not count
+    time other processes of a shared machine took)."""
+
+    tokens: int
+    wall_s: float
+    cpu_s: float
 
 
 def _quire(
@@ -180,7 +201,7 @@ def _quire(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> tuple[float, dict[str, Any] | None]:
+) -> tuple[_Rate, dict[str, Any] | None]:
     from quire_engine.bench.profile import StepProfile
     from quire_engine.llm import LLM
 
@@ -202,9 +223,9 @@ def _quire(
         SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
     ]
     llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(r.output for r in lengths):
         raise RuntimeError("quire produced the wrong number of tokens")
@@ -214,12 +235,12 @@ def _quire(
         with prof.attach(llm.engine):
             llm.generate(prompts, params)
         profile = prof.report()
-    return round(produced / elapsed, 1), profile
+    return _Rate(produced, elapsed, cpu), profile
 
 
 def _hf_static(
     model: PreTrainedModel, prompts: list[list[int]], lengths: list[RequestLengths], budget: int
-) -> tuple[float, int]:
+) -> tuple[_Rate, int]:
     waves: list[list[int]] = []
     for i, r in enumerate(lengths):
         wave = waves[-1] if waves else None
@@ -231,11 +252,11 @@ def _hf_static(
                 continue
         waves.append([i])
     _static_wave(model, [prompts[0]], 4)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for wave in waves:
         _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave))
-    elapsed = time.perf_counter() - t0
-    return round(sum(r.output for r in lengths) / elapsed, 1), len(waves)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return _Rate(sum(r.output for r in lengths), elapsed, cpu), len(waves)
 
 
 def _static_wave(
@@ -262,7 +283,7 @@ def _hf_continuous(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> float:
+) -> _Rate:
     gen_cfg = GenerationConfig(
         do_sample=False,
         eos_token_id=None,
@@ -278,7 +299,7 @@ def _hf_continuous(
     with model.continuous_batching_context_manager(
         generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
     ) as manager:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for p, r in zip(prompts, lengths, strict=True):
             manager.add_request(p, max_new_tokens=r.output, eos_token_id=-1)
         done = 0
@@ -291,9 +312,9 @@ def _hf_continuous(
             if res.is_finished():
                 done += 1
                 produced += len(res.generated_tokens)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     if produced != sum(r.output for r in lengths):
         raise RuntimeError(
             f"hf continuous produced {produced} tokens, expected {sum(r.output for r in lengths)}"
         )
-    return round(produced / elapsed, 1)
+    return _Rate(produced, elapsed, cpu)
