@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from quire_engine.kernels.kv_cache_ops import write_kv
 from quire_engine.kernels.paged_attention import paged_attention, paged_attention_reference
-from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
+from quire_engine.kernels.paged_attention_cpu import LazyCpuAttentionPlan
 
 ATTENTION_NAME = "quire"
 
@@ -40,7 +40,7 @@ class AttentionMetadata:
     max_seq_len: int
     use_triton: bool
     # CPU only: the step's attention work planned once for every layer (None: the reference).
-    cpu_plan: CpuAttentionPlan | None = None
+    cpu_plan: LazyCpuAttentionPlan | None = None
 
 
 def paged_attention_forward(
@@ -59,8 +59,9 @@ def paged_attention_forward(
     k_cache, v_cache = md.kv_caches[module.layer_idx]  # type: ignore[index]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     if md.cpu_plan is not None:
-        md.cpu_plan.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
-        out = md.cpu_plan.attend(query[0].transpose(0, 1), k_cache, v_cache, scale)
+        plan = md.cpu_plan.get()
+        plan.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
+        out = plan.attend(query[0].transpose(0, 1), k_cache, v_cache, scale)
         return out.unsqueeze(0), None  # [1, T, heads, D]
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
     q = query[0].transpose(0, 1)  # [T, heads, D]; the kernels need only head_dim contiguous

@@ -101,7 +101,7 @@ class ModelRunner:
         cpu_plan = None
         if dev.type == "cpu" and not self.use_triton:
             shape = self.shape
-            cpu_plan = CpuAttentionPlan.build(
+            cpu_plan = CpuAttentionPlan.lazy(
                 slots=x.slots,
                 block_tables=x.tables,
                 seq_lens=x.seq_lens,

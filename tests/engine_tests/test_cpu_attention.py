@@ -68,3 +68,18 @@ def test_plan_equals_reference(block_size: int) -> None:
     assert torch.equal(k_plan, k_ref) and torch.equal(v_plan, v_ref)
     got = plan.attend(q, k_plan, v_plan, 0.25)
     assert torch.equal(got, expected)  # same ops on the same data: bit-identical
+
+
+def test_lazy_plan_is_built_once() -> None:
+    lazy = CpuAttentionPlan.lazy(
+        slots=np.array([5], dtype=np.int64),
+        block_tables=np.array([[0, 1]], dtype=np.int32),
+        seq_lens=np.array([6], dtype=np.int64),
+        query_start_loc=np.array([0, 1], dtype=np.int64),
+        block_size=4,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    plan = lazy.get()
+    assert lazy.get() is plan
+    assert [c.rows.tolist() for c in plan.decode] == [[0]] and plan.prefill == []

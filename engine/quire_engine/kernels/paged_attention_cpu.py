@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,13 @@ class _Prefill:
 
 class CpuAttentionPlan:
     """One step's attention work on CPU, shared by every layer (see the module docstring)."""
+
+    @classmethod
+    def lazy(cls, **inputs: Any) -> LazyCpuAttentionPlan:
+        """A plan built on first use, i.e. inside the forward pass (``inputs``: those of
+        ``build``). Planning is attention work: a step whose forward needs no attention (the
+        stand-in forward of ``bench step``) does not pay for it."""
+        return LazyCpuAttentionPlan(inputs)
 
     def __init__(
         self,
@@ -177,3 +185,19 @@ class CpuAttentionPlan:
             )  # fmt: skip
             out[p.start : p.start + p.num_queries] = o[0].transpose(0, 1).to(q.dtype)
         return out
+
+
+class LazyCpuAttentionPlan:
+    """Holds ``CpuAttentionPlan.build``'s inputs; the first layer builds the plan, the others
+    reuse it."""
+
+    __slots__ = ("_inputs", "_plan")
+
+    def __init__(self, inputs: dict[str, Any]) -> None:
+        self._inputs = inputs
+        self._plan: CpuAttentionPlan | None = None
+
+    def get(self) -> CpuAttentionPlan:
+        if self._plan is None:
+            self._plan = CpuAttentionPlan.build(**self._inputs)
+        return self._plan
