@@ -60,6 +60,8 @@ def byte_table(tokenizer: PreTrainedTokenizerBase) -> ByteTable | None:
         return _TABLES[tokenizer]
     except KeyError:
         pass
+    except TypeError:  # a tokenizer that cannot be a weak key: no table (the slow path)
+        return None
     table = _build_byte_table(tokenizer)
     _TABLES[tokenizer] = table
     return table

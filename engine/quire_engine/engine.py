@@ -214,6 +214,7 @@ class LLMEngine:
         row_index: list[int] = []
         targets: list[tuple[_Request, _Sample, int]] = []  # (request, parent sample, sample idx)
         beam_rows: list[tuple[_Request, Sequence, int]] = []
+        fanned_out = False
         i = 0
         for seq, sampled in zip(out.seqs, out.samples, strict=True):
             if not sampled:
@@ -222,6 +223,7 @@ class LLMEngine:
             if req.beam is not None:
                 beam_rows.append((req, seq, i))
             elif req.params.n > 1 and len(req.samples) == 1 and not seq.output_token_ids:
+                fanned_out = True
                 for j in range(req.params.n):
                     gen = smp.generator if j == 0 else self._fork_generator(req, j)
                     rows.append(SampleRow(req.params, gen, seq.output_token_ids))
@@ -236,8 +238,8 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         result = None
         if rows:
-            # One row per sampling sequence (the usual case) needs no gather.
-            plain = len(row_index) == logits.shape[0]
+            # One row per sampling sequence (no fan-out, no beam) needs no gather.
+            plain = not fanned_out and not beam_rows
             result = sample(logits if plain else logits[row_index], rows)
         tokens = result.token_ids if result is not None else []
         primary = {
