@@ -331,7 +331,7 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif params.stop and new_text:
+        elif params.stop:
             hit = find_stop(smp.detok.text, len(new_text), params.stop)
             if hit is not None:
                 idx, stop = hit
