@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from quire_engine.kernels.kv_cache_ops import write_kv
 from quire_engine.kernels.paged_attention import paged_attention, paged_attention_reference
+from quire_engine.kernels.paged_attention_cpu import LazyCpuAttentionPlan
 
 ATTENTION_NAME = "quire"
 PROFILE_NAME = "quire_profile"  # no attention at all: see register_profiling
@@ -56,6 +57,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     use_triton: bool
+    # CPU only: the step's attention work planned once for every layer (None: the reference).
+    cpu_plan: LazyCpuAttentionPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +96,16 @@ def paged_attention_forward(
     if dropout:
         raise ValueError(f"attention dropout {dropout} in inference: call model.eval()")
     k_cache, v_cache = md.kv_caches[module.layer_idx]  # type: ignore[index]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    # The planned CPU path is plain causal attention: windowed or soft-capped layers (and the
+    # released blocks of windowed models) go through the reference, which honours both.
+    if md.cpu_plan is not None and sliding_window is None and softcap is None:
+        plan = md.cpu_plan.get()
+        plan.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
+        out = plan.attend(query[0].transpose(0, 1), k_cache, v_cache, scale)
+        return out.unsqueeze(0), None  # [1, T, heads, D]
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
     q = query[0].transpose(0, 1)  # [T, heads, D]; the kernels need only head_dim contiguous
-    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     args = (q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
     window = int(sliding_window) if sliding_window is not None else None
     cap = float(softcap) if softcap is not None else None

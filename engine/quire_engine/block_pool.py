@@ -60,7 +60,12 @@ class FreeBlockQueue:
         block = self._head.next_free
         if block is None or block is self._tail:
             raise ValueError("no free blocks")
-        self.remove(block)
+        nxt = block.next_free  # unlinked inline: this runs once per block allocation
+        assert nxt is not None  # a real block always has a successor (at least the sentinel)
+        self._head.next_free = nxt
+        nxt.prev_free = self._head
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
         return block
 
     def remove(self, block: Block) -> None:

@@ -331,7 +331,7 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        else:
+        elif params.stop:
             hit = find_stop(smp.detok.text, len(new_text), params.stop)
             if hit is not None:
                 idx, stop = hit
@@ -387,12 +387,12 @@ def _scatter(
 
 
 def _copy(out: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
-        index=out.index,
-        text=out.text,
-        token_ids=list(out.token_ids),
-        cumulative_logprob=out.cumulative_logprob,
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
+    return CompletionOutput(  # positional: this runs once per sequence per step
+        out.index,
+        out.text,
+        out.token_ids[:],
+        out.cumulative_logprob,
+        out.logprobs[:] if out.logprobs is not None else None,
+        out.finish_reason,
+        out.stop_reason,
     )

@@ -12,7 +12,13 @@ Ownership rules:
   which must perform queued copies before the step's forward pass writes any K/V.
 * A block is published to the prefix cache as soon as a scheduled step will fill it
   (``allocate_slots``), so requests admitted in the same step already share it: the runner writes
-  every new token's K/V into the cache before any attention of that layer reads it.
+  every new token's K/V into the cache before any attention of that layer reads it. A block
+  filled by a decode step (one new token) is the exception: it is published when its sequence
+  lets go of its blocks (``free``: finish, abort, recompute preemption; ``swap_out``). Generated
+  tokens reach other requests only after a client has seen them, so in practice such a block is
+  looked up only after its sequence finished; hashing it at once would put hundreds of sha256
+  calls into the step where equal-length sequences fill a block together (the scheduler's worst
+  step) for no hit. Each block is still hashed exactly once.
 * Swapped sequences hold blocks of the CPU pool only; ``swap_out``/``swap_in`` return (src, dst)
   moves that the runner performs before the forward pass (swap-outs first, then swap-ins, then CoW
   copies: a block freed by a swap-out may be reused in the same step).
@@ -28,6 +34,7 @@ Ownership rules:
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 
 from quire_engine.block_pool import Block, BlockPool, PoolStats
@@ -37,6 +44,7 @@ from quire_engine.sequence import Sequence
 # The table entry of a released leading block: not a pool block (no pool ever counts or frees it).
 # Its id 0 is a valid index for the attention kernels, which never read it unmasked.
 RELEASED = Block(0)
+_NEVER = sys.maxsize  # publish_at of a table whose full blocks are queued in _unpublished
 
 
 class _Table:
@@ -92,11 +100,16 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) ->
     collision. ``extra`` (a tenant's cache salt) is folded into the first block only; the chain
     carries it to every later block.
     """
-    h = hashlib.sha256(parent or b"")
-    h.update(array("q", token_ids).tobytes())
+    return hash_block_bytes(parent, memoryview(array("q", token_ids)).cast("B"), extra)
+
+
+def hash_block_bytes(parent: bytes | None, token_bytes: memoryview, extra: str | None) -> bytes:
+    """``hash_block`` over the block's token ids already laid out as int64 bytes (a slice of
+    ``Sequence.token_array``): one sha256 call, no per-token conversion."""
+    data = (parent or b"") + token_bytes
     if extra is not None:
-        h.update(b"\x00salt\x00" + extra.encode())
-    return h.digest()
+        data += b"\x00salt\x00" + extra.encode()
+    return hashlib.sha256(data).digest()
 
 
 def max_blocks_held(
@@ -123,6 +136,8 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self._cpu_tables: dict[str, list[Block]] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        # Sequences holding decode-filled blocks not yet published (see the module docstring).
+        self._unpublished: dict[str, tuple[Sequence, _Table]] = {}
         # Counters in tokens, for quire_prefix_cache_queries_total / _hits_total.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -160,12 +175,15 @@ class KVCacheManager:
         such tokens are final: a sampled token is replaced (a fork taking another candidate) only
         before it is first scheduled."""
         hashes = seq.block_hashes
-        bs = self.block_size
-        tokens = seq.token_ids
+        if len(hashes) >= num_blocks:
+            return hashes
+        step = self.block_size * seq.token_array.itemsize
+        data = memoryview(seq.token_array).cast("B")  # [num_tokens * 8] bytes
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
             salt = None if i else seq.cache_salt
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
+            hashes.append(hash_block_bytes(parent, data[i * step : (i + 1) * step], salt))
+        data.release()  # a live view would forbid token_array from growing
         return hashes
 
     # ---- allocation ----------------------------------------------------------------------
@@ -209,7 +227,18 @@ class KVCacheManager:
                 )
             ):
                 if end >= table.publish_at:  # this step fills a block: publish it
-                    self._publish(seq, table, end // bs)
+                    if num_new_tokens == 1 and self.pool.enable_prefix_caching:
+                        self._unpublished[seq.seq_id] = (seq, table)
+                        table.publish_at = _NEVER  # queued once; _publish resets it
+                    else:
+                        self._publish(seq, table, end // bs)
+                return table.ids
+            if num_new_tokens == 1 and start == table.capacity and not computed:
+                # Decode into a fresh block (every block_size steps per sequence): one private
+                # block, nothing shared to copy, nothing full to publish.
+                if not self.pool.num_free:
+                    return None
+                table.append(self.pool.allocate())
                 return table.ids
             num_held = len(table.blocks)
         else:
@@ -264,8 +293,18 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
+    def _publish_unpublished(self, seq_id: str) -> None:
+        """Publish a sequence's decode-filled blocks before it lets go of them. Called between
+        steps, so every token counted in ``num_computed_tokens`` is written."""
+        entry = self._unpublished.pop(seq_id, None)
+        if entry is not None:
+            seq, table = entry
+            self._publish(seq, table, seq.num_computed_tokens // self.block_size)
+
     def _publish(self, seq: Sequence, table: _Table, num_full: int) -> None:
         """Offer the sequence's first ``num_full`` (full) blocks to the prefix cache."""
+        if num_full <= table.num_cached:
+            return
         if self.pool.enable_prefix_caching:
             hashes = self.block_hashes(seq, num_full)
             for i in range(max(table.num_cached, table.num_released), num_full):
@@ -316,6 +355,7 @@ class KVCacheManager:
 
     def free(self, seq_id: str) -> None:
         """Release everything the sequence holds, in any state (finish, abort, preemption)."""
+        self._publish_unpublished(seq_id)
         table = self._tables.pop(seq_id, None)
         if table is not None:
             self.pool.free(reversed(table.live()))
@@ -333,6 +373,7 @@ class KVCacheManager:
         entries stay released (positional) in the CPU table and move nothing."""
         if not self.can_swap_out(seq_id):
             raise ValueError(f"cannot swap out {seq_id!r}: not enough free CPU blocks")
+        self._publish_unpublished(seq_id)
         table = self._tables.pop(seq_id)
         live = table.live()
         cpu = [self.cpu_pool.allocate() for _ in live]

@@ -265,3 +265,36 @@ def test_duplicate_ids_and_bad_fork_rejected() -> None:
     run_all(sched)
     with pytest.raises(ValueError, match="can only fork an unfinished sequence"):
         sched.fork(s, s.fork("b"))
+
+
+def test_decode_filled_blocks_are_published_when_the_sequence_lets_go() -> None:
+    """Prompt blocks are hashed when scheduled; blocks that decode steps fill are hashed when the
+    sequence frees them (finish here), so a later prompt with the same text still hits them."""
+    sched = make(block_size=4)
+    a = Sequence("a", [1, 2, 3, 4, 5, 6], max_tokens=4)
+    sched.add(a)
+    run_step(sched)  # prefill: block 0 (tokens 1-4) is full and published, block 1 half full
+    assert [b.block_hash is not None for b in sched.kv.pool.blocks[:2]] == [True, False]
+    run_step(sched)  # decode writes position 6
+    run_step(sched)  # decode writes position 7: block 1 is full, its hash waits
+    assert sched.kv.block_ids("a") == [0, 1]
+    assert sched.kv.pool.blocks[1].block_hash is None
+    full = list(a.token_ids[:8])
+    probe = Sequence("probe", [*full, 0], max_tokens=1)
+    assert [b.block_id for b in sched.kv.computed_blocks(probe)] == [0]
+    run_all(sched)  # a finishes (max_tokens): its blocks are freed, the full ones published
+    assert a.is_finished and sched.kv.stats().used == 0
+    later = Sequence("later", [*full, 0], max_tokens=1)
+    assert [b.block_id for b in sched.kv.computed_blocks(later)] == [0, 1]
+
+
+def test_decode_into_fresh_block_takes_the_queue_head() -> None:
+    sched = make(num_blocks=8, block_size=2)
+    a = Sequence("a", [1, 2], max_tokens=4)
+    sched.add(a)
+    run_step(sched)  # prefill fills block 0
+    out = run_step(sched)  # position 2 needs a fresh block: the free queue's head, block 1
+    assert out.block_tables == [[0, 1]] and out.start_positions == [2]
+    assert sched.kv.ref_counts("a") == [1, 1]
+    sched.finish(a, "abort")
+    assert sched.kv.stats().used == 0

@@ -15,6 +15,16 @@ transport error or a missing usage chunk.
 ITL is per streamed chunk, as in vLLM: a token that completes no character (part of a UTF-8
 sequence, frequent in the embedded model's random bytes) is sent with the next one, so its gap
 merges into the next. TPOT counts tokens and is unaffected.
+
+Peers in one command: ``--launch quire,transformers`` starts each server itself (``bench.servers``:
+one model directory, the same KV budget, one torch thread each), runs the same requests against
+it, and stops it; ``--offline`` runs the same requests through the offline ``LLM`` with
+``max_num_seqs`` equal to ``--max-concurrency``. The report then holds one section per system and
+the ratios: Quire's output throughput over the offline one (the serving path's cost) and over
+``transformers serve --continuous-batching``. With transformers among the systems the prompts are
+text (random printable ASCII, one byte token each after the BOS; transformers serve takes only
+text prompts and refuses ``ignore_eos``, which its model needs not: the benchmark model has no
+EOS).
 """
 
 from __future__ import annotations
@@ -26,12 +36,16 @@ import json
 import math
 import os
 import random
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx2
 
+from quire_engine.bench import servers
 from quire_engine.bench.workload import RequestLengths, random_tokens, sharegpt_like
 
 MAX_ERRORS_REPORTED = 5
@@ -64,6 +78,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bearer token [env QUIRE_API_KEY or OPENAI_API_KEY]",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--launch",
+        default=None,
+        help="comma-separated servers to start and measure in turn, instead of --url "
+        f"({', '.join(servers.SYSTEMS)})",
+    )
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="also run the same requests through the offline LLM at --max-concurrency",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default=None,
+        help="token-id or text prompts (default: ids; text when transformers is launched)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="model for --launch/--offline (default: the benchmark Llama, built in a temp dir)",
+    )
+    parser.add_argument("--hidden-size", type=int, default=512, help="benchmark Llama")
+    parser.add_argument("--layers", type=int, default=6, help="benchmark Llama (9: 32.5M)")
+    parser.add_argument("--model-vocab-size", type=int, default=4096, help="benchmark Llama")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="for --launch/--offline")
+    parser.add_argument(
+        "--kv-budget", type=int, default=8192, help="KV tokens of every launched system"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batch-tokens", type=int, default=2048)
 
 
 @dataclass(slots=True)
@@ -83,18 +128,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"request_rate must be > 0; got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1; got {args.max_concurrency}")
-    return asyncio.run(_bench(args))
+    if args.launch is None and not args.offline:
+        return asyncio.run(_bench(args, args.url, None))
+    return _compare(args)
 
 
-async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # One connection per request in flight, as real clients behave; no pool limit of our own.
-    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx2.Timeout(args.timeout, connect=30.0)
-    async with httpx2.AsyncClient(
-        base_url=args.url.rstrip("/"), headers=headers, limits=limits, timeout=timeout
-    ) as client:
-        model, max_model_len = await _model(client, args.model)
+@dataclass(frozen=True, slots=True)
+class _Workload:
+    """The requests: lengths, prompts (token ids or text) and whether to send ``ignore_eos``."""
+
+    lengths: list[RequestLengths]
+    prompts: list[list[int] | str]
+    ignore_eos: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, max_model_len: int) -> _Workload:
         lengths = sharegpt_like(
             args.num_prompts,
             mean_prompt=args.mean_prompt_len,
@@ -104,24 +152,175 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
         )
         rng = random.Random(args.seed)
-        prompts = [random_tokens(rng, length.prompt, args.vocab_size) for length in lengths]
+        if args.prompt_format == "text":
+            # Printable ASCII: one byte token per character, plus the BOS the tokenizer adds.
+            text: list[list[int] | str] = [
+                "".join(chr(rng.randrange(32, 127)) for _ in range(max(1, r.prompt - 1)))
+                for r in lengths
+            ]
+            return cls(lengths, text, ignore_eos=False)
+        ids: list[list[int] | str] = [
+            random_tokens(rng, r.prompt, args.vocab_size) for r in lengths
+        ]
+        return cls(lengths, ids, ignore_eos=True)
+
+
+def _compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Launch each server in turn (and the offline run) on one model; one report with ratios."""
+    systems = [s for s in (args.launch or "").split(",") if s]
+    unknown = set(systems) - set(servers.SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown --launch {sorted(unknown)}; choose from {servers.SYSTEMS}")
+    if args.prompt_format is None:
+        args.prompt_format = "text" if "transformers" in systems else "ids"
+    if "transformers" in systems and args.prompt_format != "text":
+        raise ValueError("transformers serve takes only text prompts: use --prompt-format text")
+    workload = _Workload.from_args(args, args.max_model_len)
+    result: dict[str, Any] = {
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "kv_budget_tokens": args.kv_budget,
+        "prompt_format": args.prompt_format,
+        "output_tokens": sum(r.output for r in workload.lengths),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model_dir) if args.model_dir else None
+        if model_dir is None:
+            model_dir = servers.build_model_dir(
+                Path(tmp) / "model",
+                hidden=args.hidden_size,
+                layers=args.layers,
+                vocab=args.model_vocab_size,
+                max_model_len=args.max_model_len,
+                seed=args.seed,
+            )
+        spec = servers.ServerSpec(
+            model_dir=model_dir,
+            kv_budget=args.kv_budget,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_batch_tokens=args.max_batch_tokens,
+            dtype="float32",
+        )
+        for system in systems:
+            log = Path(tmp) / f"{system}.log"
+            with servers.launched(system, spec, log) as server:
+                args.model = str(model_dir)
+                result[system] = asyncio.run(
+                    _bench(args, server.url, workload, warm_up=True, cpu=server.cpu_seconds)
+                )
+        if args.offline:
+            result["offline"] = _offline(spec, workload, args.max_concurrency)
+    _ratios(result)
+    return result
+
+
+def _offline(
+    spec: servers.ServerSpec, workload: _Workload, concurrency: int | None
+) -> dict[str, Any]:
+    """The same requests through ``LLM.generate`` in this process, one torch thread."""
+    import torch
+
+    from quire_engine.llm import LLM
+    from quire_engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        str(spec.model_dir),
+        device="cpu",
+        dtype=spec.dtype,
+        block_size=spec.block_size,
+        num_blocks=spec.kv_budget // spec.block_size,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=concurrency or 256,
+        max_num_batched_tokens=spec.max_batch_tokens,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=workload.ignore_eos)
+        for r in workload.lengths
+    ]
+    llm.generate(workload.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=2)] * 2)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    outs = llm.generate(list(workload.prompts), params)
+    duration, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "duration_s": round(duration, 3),
+        "total_output_tokens": produced,
+        "output_throughput": round(produced / duration, 2),
+        "cpu_s": round(cpu_s, 2),
+        "output_tokens_per_cpu_s": round(produced / cpu_s, 2),
+    }
+
+
+def _ratios(result: dict[str, Any]) -> None:
+    quire = result.get("quire")
+    if quire is None:
+        return
+    for peer, key in (("offline", "ratio_vs_offline"), ("transformers", "ratio_vs_transformers")):
+        other = result.get(peer)
+        if other and other.get("output_throughput"):
+            result[key] = round(quire["output_throughput"] / other["output_throughput"], 3)
+        # Per CPU second: robust to other processes' load on a shared machine.
+        if other and other.get("output_tokens_per_cpu_s") and quire.get("output_tokens_per_cpu_s"):
+            ratio = quire["output_tokens_per_cpu_s"] / other["output_tokens_per_cpu_s"]
+            result[f"{key}_per_cpu_s"] = round(ratio, 3)
+
+
+async def _bench(
+    args: argparse.Namespace,
+    url: str,
+    workload: _Workload | None,
+    *,
+    warm_up: bool = False,
+    cpu: Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """Run the workload (None: built for the server's max_model_len) against ``url``; ``cpu``
+    reads the server's CPU seconds, to report output tokens per server CPU second."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # One connection per request in flight, as real clients behave; no pool limit of our own.
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx2.Timeout(args.timeout, connect=30.0)
+    async with httpx2.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, limits=limits, timeout=timeout
+    ) as client:
+        model, max_model_len = await _model(client, args.model)
+        if workload is None:
+            workload = _Workload.from_args(args, max_model_len)
+        if warm_up:  # first-request costs (transformers builds its batching manager) excluded
+            warm = RequestLengths(prompt=len(workload.prompts[0]), output=4)
+            await _request(client, model, workload.prompts[0], warm, None, workload.ignore_eos)
+        rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        cpu_start = cpu() if cpu is not None else None
         start = time.perf_counter()
         tasks = []
-        for prompt, length in zip(prompts, lengths, strict=True):
-            tasks.append(asyncio.create_task(_request(client, model, prompt, length, gate)))
+        for prompt, length in zip(workload.prompts, workload.lengths, strict=True):
+            tasks.append(
+                asyncio.create_task(
+                    _request(client, model, prompt, length, gate, workload.ignore_eos)
+                )
+            )
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return _report(args, model, results, duration)
+        cpu_s = cpu() - cpu_start if cpu is not None and cpu_start is not None else None
+    report = _report(args, url, model, results, duration)
+    if cpu_s:
+        report["server_cpu_s"] = round(cpu_s, 2)
+        report["output_tokens_per_cpu_s"] = round(report["total_output_tokens"] / cpu_s, 2)
+    return report
 
 
 async def _model(client: httpx2.AsyncClient, model: str | None) -> tuple[str, int]:
     response = await client.get("/v1/models")
     response.raise_for_status()
     cards = response.json()["data"]
-    card = next((c for c in cards if c["id"] == model), cards[0])
+    card = next((c for c in cards if c["id"] == model), cards[0] if cards else {})
+    if not card and model is None:
+        raise ValueError("the server lists no model; pass --model")
     # max_model_len is a vLLM/Quire extension of the model card; 2048 when a server lacks it.
     return model or card["id"], int(card.get("max_model_len") or 2048)
 
@@ -129,20 +328,22 @@ async def _model(client: httpx2.AsyncClient, model: str | None) -> tuple[str, in
 async def _request(
     client: httpx2.AsyncClient,
     model: str,
-    prompt: list[int],
+    prompt: list[int] | str,
     length: RequestLengths,
     gate: asyncio.Semaphore | None,
+    ignore_eos: bool = True,
 ) -> _Result:
-    result = _Result(prompt_tokens=len(prompt))
-    body = {
+    result = _Result(prompt_tokens=length.prompt)
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": length.output,
         "temperature": 0.0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if ignore_eos:  # a vLLM/Quire extension; servers that lack it may refuse the field
+        body["ignore_eos"] = True
     async with gate or contextlib.nullcontext():
         sent = last = time.perf_counter()
         try:
@@ -199,7 +400,7 @@ def _summary(name: str, seconds: list[float]) -> dict[str, float | None]:
 
 
 def _report(
-    args: argparse.Namespace, model: str, results: list[_Result], duration: float
+    args: argparse.Namespace, url: str, model: str, results: list[_Result], duration: float
 ) -> dict[str, Any]:
     done = [r for r in results if r.error is None]
     failed = [r for r in results if r.error is not None]
@@ -211,7 +412,7 @@ def _report(
         if r.e2e is not None and r.ttft is not None and r.output_tokens > 1
     ]
     report: dict[str, Any] = {
-        "url": args.url,
+        "url": url,
         "model": model,
         "num_prompts": args.num_prompts,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",

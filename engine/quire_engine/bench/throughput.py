@@ -13,7 +13,9 @@ budget is ``--budget-seqs`` contiguous ``max_model_len`` sequences, in tokens:
 * HF continuous: transformers' continuous-batching manager with its paged cache held to the same
   number of tokens, per-request ``max_new_tokens``.
 
-Throughput = requested output tokens / wall time. The model is a Llama built from a config with
+Throughput = requested output tokens / wall time, and per CPU second of the process (the
+``_per_cpu_s`` keys: every system runs one torch thread, so this is robust to other processes'
+load on a shared machine). The model is a Llama built from a config with
 random weights (the cost of a forward pass does not depend on the values).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,27 @@ from quire_engine.bench.workload import RequestLengths, sharegpt_like
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.tiny_model import build_tokenizer
 
+# Named workloads: flag defaults they override (explicit flags still win).
+PRESETS: dict[str, dict[str, Any]] = {
+    # The workload of issue 14: a 32.5M-parameter Llama (9 layers), 64 requests, a KV budget
+    # of 12 x 1024 = 12,288 tokens.
+    "32m": {"layers": 9, "budget_seqs": 12},
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named workload (32m: 32.5M-parameter Llama, 12,288-token KV budget)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split Quire's step time (matmuls, attention, rest of the forward, per-step "
+        "Python) in a second, hooked run; throughput is from the plain run",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--mean-prompt", type=float, default=128)
     parser.add_argument("--mean-output", type=float, default=128)
@@ -47,12 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-seqs",
         type=int,
-        default=8,
-        help="KV budget = this many contiguous max_model_len sequences",
+        default=None,
+        help="KV budget = this many contiguous max_model_len sequences (default 8)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=None, help="default 6")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -70,18 +92,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_config(args: argparse.Namespace) -> LlamaConfig:
-    # ~23M parameters at the defaults: big enough that matmuls, not Python, dominate a step on
-    # 2 CPU cores, small enough that three systems finish in minutes.
-    hidden = args.hidden_size
+    return llama_config(args.hidden_size, args.layers, args.vocab_size, args.max_model_len)
+
+
+def llama_config(hidden: int, layers: int, vocab: int, max_model_len: int) -> LlamaConfig:
+    """The benchmark Llama: ~23M parameters at hidden 512, 6 layers, vocab 4096 (32.5M at 9
+    layers): big enough that matmuls, not Python, dominate a step on 2 CPU cores, small enough
+    that three systems finish in minutes. No EOS, so every request runs to its max_tokens."""
     return LlamaConfig(
-        vocab_size=args.vocab_size,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
-        num_hidden_layers=args.layers,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=hidden // 8,
-        max_position_embeddings=args.max_model_len,
+        max_position_embeddings=max_model_len,
         initializer_range=0.05,
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -90,7 +116,17 @@ def bench_config(args: argparse.Namespace) -> LlamaConfig:
     )
 
 
+def _apply_preset(args: argparse.Namespace) -> None:
+    values = {"layers": 6, "budget_seqs": 8}
+    if args.preset is not None:
+        values.update(PRESETS[args.preset])
+    for name, value in values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    _apply_preset(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     lengths = sharegpt_like(
@@ -122,19 +158,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
     }
     with tempfile.TemporaryDirectory() as tmp:
+        rates: dict[str, _Rate] = {}
         if "quire" in systems:
-            result["quire_tok_s"] = _quire(model, Path(tmp), prompts, lengths, budget, args)
+            rates["quire"], profile = _quire(model, Path(tmp), prompts, lengths, budget, args)
+            if profile is not None:
+                result["quire_profile"] = profile
         if "hf_static" in systems:
-            tok_s, waves = _hf_static(model, prompts, lengths, budget)
-            result["hf_static_tok_s"], result["hf_static_waves"] = tok_s, waves
+            rates["hf_static"], result["hf_static_waves"] = _hf_static(
+                model, prompts, lengths, budget
+            )
         if "hf_continuous" in systems:
-            result["hf_continuous_tok_s"] = _hf_continuous(model, prompts, lengths, budget, args)
-    if "quire_tok_s" in result:
+            rates["hf_continuous"] = _hf_continuous(model, prompts, lengths, budget, args)
+    for name, rate in rates.items():
+        result[f"{name}_tok_s"] = round(rate.tokens / rate.wall_s, 1)
+        result[f"{name}_tok_per_cpu_s"] = round(rate.tokens / rate.cpu_s, 1)
+    if "quire" in rates:
+        quire = rates["quire"]
         for peer in ("hf_static", "hf_continuous"):
-            if f"{peer}_tok_s" in result:
-                ratio = result["quire_tok_s"] / result[f"{peer}_tok_s"]
-                result[f"ratio_vs_{peer.removeprefix('hf_')}"] = round(ratio, 2)
+            if peer in rates:
+                short = peer.removeprefix("hf_")
+                ratio = rates[peer].wall_s / quire.wall_s  # same tokens: time ratio
+                result[f"ratio_vs_{short}"] = round(ratio, 2)
+                result[f"ratio_vs_{short}_per_cpu_s"] = round(rates[peer].cpu_s / quire.cpu_s, 2)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Rate:
+    """Output tokens of one system's timed run, its wall time and its process CPU time (every
+    system runs one torch thread, so CPU time is its work; unlike wall time it does not count
+    time other processes of a shared machine took)."""
+
+    tokens: int
+    wall_s: float
+    cpu_s: float
 
 
 def _quire(
@@ -144,7 +201,8 @@ def _quire(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> float:
+) -> tuple[_Rate, dict[str, Any] | None]:
+    from quire_engine.bench.profile import StepProfile
     from quire_engine.llm import LLM
 
     path = tmp / "model"
@@ -165,18 +223,24 @@ def _quire(
         SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
     ]
     llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(r.output for r in lengths):
         raise RuntimeError("quire produced the wrong number of tokens")
-    return round(produced / elapsed, 1)
+    profile = None
+    if args.profile:
+        prof = StepProfile()
+        with prof.attach(llm.engine):
+            llm.generate(prompts, params)
+        profile = prof.report()
+    return _Rate(produced, elapsed, cpu), profile
 
 
 def _hf_static(
     model: PreTrainedModel, prompts: list[list[int]], lengths: list[RequestLengths], budget: int
-) -> tuple[float, int]:
+) -> tuple[_Rate, int]:
     waves: list[list[int]] = []
     for i, r in enumerate(lengths):
         wave = waves[-1] if waves else None
@@ -188,11 +252,11 @@ def _hf_static(
                 continue
         waves.append([i])
     _static_wave(model, [prompts[0]], 4)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for wave in waves:
         _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave))
-    elapsed = time.perf_counter() - t0
-    return round(sum(r.output for r in lengths) / elapsed, 1), len(waves)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return _Rate(sum(r.output for r in lengths), elapsed, cpu), len(waves)
 
 
 def _static_wave(
@@ -219,7 +283,7 @@ def _hf_continuous(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> float:
+) -> _Rate:
     gen_cfg = GenerationConfig(
         do_sample=False,
         eos_token_id=None,
@@ -235,7 +299,7 @@ def _hf_continuous(
     with model.continuous_batching_context_manager(
         generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
     ) as manager:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for p, r in zip(prompts, lengths, strict=True):
             manager.add_request(p, max_new_tokens=r.output, eos_token_id=-1)
         done = 0
@@ -248,9 +312,9 @@ def _hf_continuous(
             if res.is_finished():
                 done += 1
                 produced += len(res.generated_tokens)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     if produced != sum(r.output for r in lengths):
         raise RuntimeError(
             f"hf continuous produced {produced} tokens, expected {sum(r.output for r in lengths)}"
         )
-    return round(produced / elapsed, 1)
+    return _Rate(produced, elapsed, cpu)

@@ -1,0 +1,107 @@
+"""Where an engine's step time goes: ``--profile`` of the benches.
+
+``StepProfile.attach(engine)`` wraps, for as long as the context lasts, ``engine.step`` (the
+whole step), the model's forward, every ``nn.Linear`` of the model (the matmuls, LM head
+included) and the paged attention call (K/V write + attention), each timed in thread CPU time.
+The split it reports, in seconds and as shares of the step time:
+
+* ``matmuls``: inside ``nn.Linear`` forwards;
+* ``attention``: inside the paged attention call (writing K/V, gathering blocks, SDPA or kernel);
+* ``forward_other``: the rest of the forward (embeddings, RMSNorm, RoPE, activations, module
+  calls);
+* ``step_python``: the step outside the forward (schedule, inputs, sampling, detokenization,
+  outputs).
+
+The hooks cost a few microseconds per module call, so a profiled run is slower than a plain one:
+compare shares, and time throughput without ``--profile``. On CUDA the times are host times of
+asynchronous launches, not GPU time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from quire_engine import attention
+from quire_engine.engine import LLMEngine
+
+
+def timed(totals: dict[str, int], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` adding its thread CPU nanoseconds to ``totals[name]`` at every call."""
+    clock = time.thread_time_ns
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] = totals.get(name, 0) + clock() - t0
+
+    return wrapper
+
+
+class StepProfile:
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {"step": 0, "forward": 0, "matmuls": 0, "attention": 0}
+        self.steps = 0
+
+    @contextmanager
+    def attach(self, engine: LLMEngine) -> Iterator[None]:
+        model = engine.runner.model
+        step = engine.step
+        handles = []
+        starts: list[int] = []
+
+        def pre(*_: Any) -> None:
+            starts.append(time.thread_time_ns())
+
+        def post_for(name: str) -> Callable[..., None]:
+            def post(*_: Any) -> None:
+                self.ns[name] += time.thread_time_ns() - starts.pop()
+
+            return post
+
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post_for("matmuls")))
+        handles.append(model.register_forward_pre_hook(pre))
+        handles.append(model.register_forward_hook(post_for("forward")))
+
+        def counted_step() -> Any:
+            self.steps += 1
+            return step()
+
+        engine.step = timed(self.ns, "step", counted_step)  # type: ignore[method-assign]
+        # Models look their attention function up by name at every call.
+        AttentionInterface.register(
+            attention.ATTENTION_NAME, timed(self.ns, "attention", attention.paged_attention_forward)
+        )
+        try:
+            yield
+        finally:
+            del engine.step
+            attention.register()
+            for handle in handles:
+                handle.remove()
+
+    def report(self) -> dict[str, Any]:
+        ns = self.ns
+        parts = {
+            "matmuls": ns["matmuls"],
+            "attention": ns["attention"],
+            "forward_other": ns["forward"] - ns["matmuls"] - ns["attention"],
+            "step_python": ns["step"] - ns["forward"],
+        }
+        total = max(ns["step"], 1)
+        return {
+            "steps": self.steps,
+            "step_cpu_s": round(ns["step"] / 1e9, 3),
+            "split_s": {k: round(v / 1e9, 3) for k, v in parts.items()},
+            "split_share": {k: round(v / total, 3) for k, v in parts.items()},
+        }

@@ -1,0 +1,41 @@
+"""``quire-engine bench serve`` with its peers in CI size: it launches a real ``quire-engine
+serve`` and ``transformers serve --continuous-batching`` on loopback (one after the other, the
+same model and KV budget), runs the offline peer, and reports every request completed with the
+exact token counts and the ratios (speed is measured by the benchmark, not asserted here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from quire_engine.cli import main
+
+SMALL = [
+    "--hidden-size", "64", "--layers", "1", "--num-prompts", "5", "--mean-prompt-len", "12",
+    "--mean-output-len", "6", "--max-model-len", "64", "--kv-budget", "256",
+    "--max-concurrency", "3",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
+    systems = "quire,transformers" if importlib.util.find_spec("accelerate") else "quire"
+    assert main(["bench", "serve", "--json", "--launch", systems, "--offline", *SMALL]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = out["output_tokens"]
+    assert expected > 0 and out["prompt_format"] == ("text" if "," in systems else "ids")
+    for system in systems.split(","):
+        report = out[system]
+        assert report["completed"] == 5 and report["failed"] == 0, report["errors"]
+        assert report["total_output_tokens"] == expected
+        assert report["p99_ttft_ms"] is not None
+    assert out["offline"]["total_output_tokens"] == expected
+    assert out["ratio_vs_offline"] > 0
+    if "," in systems:
+        assert out["ratio_vs_transformers"] > 0
+
+
+def test_serve_bench_rejects_unknown_servers() -> None:
+    assert main(["bench", "serve", "--launch", "vllm", *SMALL]) == 2

@@ -1,0 +1,63 @@
+"""``quire-engine bench step`` in CI size, and the runner's vectorized step inputs checked
+against the scheduler's own per-token slot mapping on a mixed prefill/decode batch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from quire_engine.cli import main
+from quire_engine.config import CacheConfig, SchedulerConfig
+from quire_engine.model_runner import build_step_inputs
+from quire_engine.scheduler import Scheduler
+from quire_engine.sequence import Sequence
+
+
+def test_step_bench_small(capsys: object) -> None:
+    args = ["bench", "step", "--json", "--running", "1,3", "--steps", "4", "--prompt-len", "9"]
+    assert main([*args, "--profile"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[attr-defined]
+    assert out["steps"] == 4 and out["vocab_size"] == 320
+    for count in ("1", "3"):
+        result = out[count]
+        assert result["step_us_p50"] > 0 and result["step_us_p99"] >= result["step_us_p50"]
+        split = result["split_us_per_step"]
+        assert {"schedule", "runner", "sample", "update", "detokenize", "other"} <= set(split)
+
+
+def test_step_inputs_match_the_scheduler() -> None:
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=14, max_model_len=64),
+        CacheConfig(num_blocks=32, block_size=4),
+    )
+    a = Sequence("a", list(range(10, 16)), max_tokens=8)  # 6 tokens
+    b = Sequence("b", list(range(20, 33)), max_tokens=8)  # 13 tokens: chunked
+    for s in (a, b):
+        sched.add(s)
+    first = sched.schedule()  # a: 6 tokens, b: the first 8 (budget 14)
+    sched.update(first, {"a": 99})
+    second = sched.schedule()  # a decodes 1 token, b prefills its last 5
+    sched.update(second, {"a": 98, "b": 97})
+    third = sched.schedule()  # pure decode: one token each
+    for out in (first, second, third):
+        x = build_step_inputs(out)
+        assert x.slots.tolist() == out.slot_mapping()
+        ids = [t for s, p, n in zip(out.seqs, out.start_positions, out.num_new_tokens, strict=True)
+               for t in s.token_ids[p : p + n]]  # fmt: skip
+        assert x.input_ids.tolist() == ids
+        assert x.qsl.tolist() == list(np.cumsum([0, *out.num_new_tokens]))
+        assert x.seq_lens.tolist() == [
+            p + n for p, n in zip(out.start_positions, out.num_new_tokens, strict=True)
+        ]
+        width = max(len(t) for t in out.block_tables)
+        assert x.tables.tolist() == [t + [0] * (width - len(t)) for t in out.block_tables]
+    assert second.num_new_tokens == [1, 5] and build_step_inputs(second).sample_rows.tolist() == [
+        0,
+        5,
+    ]
+    assert build_step_inputs(second).positions.tolist() == [6, 8, 9, 10, 11, 12]
+    assert build_step_inputs(third).positions.tolist() == [7, 13]
+    assert build_step_inputs(third).input_ids.tolist() == [98, 97]
+    for s in (a, b):
+        sched.finish(s, "abort")
