@@ -13,6 +13,7 @@ tests never wait for them: only the autoscaling end-to-end tests (tests/e2e) and
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -125,13 +126,15 @@ def _fetch_prometheus(log: Log) -> None:
         )
     with tempfile.TemporaryDirectory(prefix="quire-prometheus-") as scratch:
         log(f"[build] prometheus: apt-get download {PROMETHEUS_PACKAGE} ...")
-        proc = subprocess.run(
-            [apt, "download", PROMETHEUS_PACKAGE],
-            cwd=scratch,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        download = [apt, "download", PROMETHEUS_PACKAGE]
+        proc = subprocess.run(download, cwd=scratch, capture_output=True, text=True, check=False)
+        if proc.returncode != 0 and os.geteuid() == 0:
+            # A fresh machine has no package lists yet (CI runs as root): fetch them once, retry.
+            log("[build] prometheus: apt-get update (no package lists yet) ...")
+            subprocess.run([apt, "update", "-qq"], capture_output=True, text=True, check=False)
+            proc = subprocess.run(
+                download, cwd=scratch, capture_output=True, text=True, check=False
+            )
         debs = sorted(Path(scratch).glob(f"{PROMETHEUS_PACKAGE}_*.deb"))
         if proc.returncode != 0 or not debs:
             raise BuildError(
