@@ -221,10 +221,16 @@ class LLMEngine:
         self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
 
         # Per request: fork every new sample before any stop check can finish (and free) its
-        # parent, then emit the tokens.
+        # parent, then emit the tokens. A request with one row (no fan-out this step: the common
+        # case, hundreds of times per step) skips the grouping.
         by_request: dict[str, list[int]] = {}
-        for k, (req, _, _, _) in enumerate(plan):
-            by_request.setdefault(req.request_id, []).append(k)
+        for k, (req, smp, j, _) in enumerate(plan):
+            if j == 0 and (k + 1 == len(plan) or plan[k + 1][2] == 0):
+                if req.error is None:
+                    tok, lp, top = tokens[k]
+                    self._isolated(req, self._emit_token, req, smp, tok, lp, top)
+            else:
+                by_request.setdefault(req.request_id, []).append(k)
         for ks in by_request.values():
             req = plan[ks[0]][0]
             if req.error is None:
@@ -359,6 +365,8 @@ class LLMEngine:
             self.requests.remove(req)
         if req.beam is not None:
             outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
+        elif len(req.samples) == 1:  # nothing to order
+            outputs = [_copy(req.samples[0].output)]
         else:
             outputs = [_copy(s.output) for s in sorted(req.samples, key=lambda s: s.output.index)]
         return RequestOutput(
