@@ -171,9 +171,6 @@ class StatsRecorder:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live
 
-    def live_ids(self) -> list[str]:
-        return list(self._live)
-
     def added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
         line = _Timeline(arrival, num_prompt_tokens)
         self._live[request_id] = self._queued[request_id] = line
