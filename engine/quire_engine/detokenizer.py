@@ -114,21 +114,31 @@ def _gpt2_char_to_byte() -> dict[str, int]:
 
 
 class Detokenizer:
+    """One sequence's text so far (``text``) and the rule for what a new token makes final.
+
+    Two paths with one rule, decode(prefix window + new tokens) minus decode(prefix window),
+    held back while it ends in an incomplete character: with a ``ByteTable`` the windows are
+    kept as bytes (``_prefix_bytes``, ``_pending``); without one as token ids with offsets."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.table = byte_table(tokenizer)
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
         self.text = ""
-        # Fast path state: the bytes of the prefix window and its text, and the bytes of the
-        # tokens after read_offset (the same windows as the offsets, as bytes).
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # Slow path state: token ids of the windows (prefix_offset..read_offset is emitted).
+        self.token_ids = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        # Fast path state: the bytes of the prefix window, the length of its text, and the
+        # bytes of the tokens not yet made final.
+        self._token_bytes: list[bytes] | None = None
         self._prefix_bytes = b""
-        self._prefix_text = ""
+        self._prefix_len = 0
         self._pending = b""
         if self.table is not None:
-            self._prefix_bytes = self.table.join(self.token_ids)
-            self._prefix_text = self._prefix_bytes.decode("utf-8", "replace")
+            self._token_bytes = self.table.token_bytes
+            self._prefix_bytes = self.table.join(context)
+            self._prefix_len = len(self._prefix_bytes.decode("utf-8", "replace"))
 
     def _decode(self, ids: list[int]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -136,28 +146,27 @@ class Detokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one generated token; returns the text it made final (possibly "")."""
+        table = self._token_bytes
+        if table is not None:  # once per sequence per step: no further calls on this path
+            pending = self._pending
+            if 0 <= token_id < len(table):
+                pending += table[token_id]
+            full = (self._prefix_bytes + pending).decode("utf-8", "replace")
+            prefix_len = self._prefix_len
+            if len(full) <= prefix_len or full.endswith("\ufffd"):
+                self._pending = pending
+                return ""
+            new = full[prefix_len:]
+            self._prefix_bytes, self._pending = pending, b""
+            self._prefix_len = len(pending.decode("utf-8", "replace"))
+            self.text += new
+            return new
         self.token_ids.append(token_id)
-        if self.table is not None:
-            return self._add_bytes(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        return self._emit(full[len(prefix) :])
-
-    def _add_bytes(self, token_id: int) -> str:
-        # Same rule as the slow path, on bytes: decode(prefix + new) vs decode(prefix).
-        assert self.table is not None
-        self._pending += self.table.bytes_of(token_id)
-        full = (self._prefix_bytes + self._pending).decode("utf-8", "replace")
-        prefix = self._prefix_text
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self._prefix_bytes, self._pending = self._pending, b""
-        self._prefix_text = self._prefix_bytes.decode("utf-8", "replace")
-        return self._emit(full[len(prefix) :])
-
-    def _emit(self, new: str) -> str:
+        new = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         self.text += new

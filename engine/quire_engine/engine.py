@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+from itertools import repeat
 from typing import TypeVar
 
 import torch
@@ -34,12 +36,12 @@ from quire_engine.config import CacheConfig, EngineConfig, PreemptionMode, Sched
 from quire_engine.detokenizer import find_stop
 from quire_engine.kv_cache_manager import max_blocks_held
 from quire_engine.model_runner import CacheShape, ModelRunner, profile_peak_memory, size_pool
-from quire_engine.outputs import CompletionOutput, RequestOutput
+from quire_engine.outputs import CompletionOutput, Prefix, RequestOutput
 from quire_engine.request_table import Request, RequestTable, Sample
-from quire_engine.sampler import SampleResult, SampleRow, sample
+from quire_engine.sampler import SampleResult, SampleRow, greedy_tokens, sample
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence
+from quire_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -190,28 +192,44 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward pass; outputs of the requests that progressed
-        (including those that failed in this step, finished with ``error``)."""
+        (including those that failed in this step, finished with ``error``).
+
+        Everything after the forward runs once per sampled sequence, hundreds of times per step,
+        so the common case (one row per request, no fan-out) takes the straight path: no
+        per-row closures or grouping, one ``try`` per row for fault isolation."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         logits = self.runner.execute(out)  # [num_sampling_seqs, vocab]
-        sampling = [seq for seq, s in zip(out.seqs, out.samples, strict=True) if s]
 
+        owner = self.requests.owner
         touched: dict[str, Request] = {}
         plan: list[_Row] = []
         gens: list[torch.Generator | None] = []
         beam_rows: list[tuple[Request, Sequence, int]] = []
-        for i, seq in enumerate(sampling):
-            req, smp = self.requests.owner(seq.seq_id)
+        fanned = False  # some request forks samples this step (n > 1, first token)
+        i = 0
+        for seq, samples in zip(out.seqs, out.samples, strict=True):
+            if not samples:
+                continue
+            req, smp = owner(seq.seq_id)
             touched[req.request_id] = req
             if req.beam is not None:
                 beam_rows.append((req, seq, i))
-                continue
-            fan_out = req.params.n if len(req.samples) == 1 and not seq.output_token_ids else 1
-            for j in range(fan_out):
-                gen = smp.generator if j == 0 else self._isolated(req, self._fork_generator, req, j)
-                plan.append((req, smp, j, i))
-                gens.append(gen)
+            elif req.params.n > 1 and len(req.samples) == 1 and not seq.output_token_ids:
+                fanned = True
+                for j in range(req.params.n):
+                    gen = (
+                        smp.generator
+                        if j == 0
+                        else self._isolated(req, self._fork_generator, req, j)
+                    )
+                    plan.append((req, smp, j, i))
+                    gens.append(gen)
+            else:
+                plan.append((req, smp, 0, i))
+                gens.append(smp.generator)
+            i += 1
         tokens = self._sample(logits, plan, gens)
         primary = {
             smp.seq.seq_id: tok
@@ -220,9 +238,26 @@ class LLMEngine:
         }
         self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
 
-        # Per request: fork every new sample before any stop check can finish (and free) its
-        # parent, then emit the tokens. A request with one row (no fan-out this step: the common
-        # case, hundreds of times per step) skips the grouping.
+        if not fanned:
+            emit = self._emit_token
+            for (req, smp, _, _), (tok, lp, top) in zip(plan, tokens, strict=True):
+                if req.error is None:
+                    try:
+                        emit(req, smp, tok, lp, top)
+                    except Exception as exc:
+                        self._fail(req, exc)
+        else:
+            self._emit_fanned(plan, gens, tokens)
+        for req, seq, i in beam_rows:
+            if req.error is None and req.request_id in self.requests:
+                self._isolated(req, self._beam_logits, req, seq, logits[i])
+        return [self._output(req) for req in touched.values()]
+
+    def _emit_fanned(
+        self, plan: list[_Row], gens: list[torch.Generator | None], tokens: list[_Sampled]
+    ) -> None:
+        """Per request: fork every new sample before any stop check can finish (and free) its
+        parent, then emit the tokens. A request with one row skips the grouping."""
         by_request: dict[str, list[int]] = {}
         for k, (req, smp, j, _) in enumerate(plan):
             if j == 0 and (k + 1 == len(plan) or plan[k + 1][2] == 0):
@@ -237,10 +272,6 @@ class LLMEngine:
                 self._isolated(
                     req, self._apply_rows, req, [(plan[k], gens[k], tokens[k]) for k in ks]
                 )
-        for req, seq, i in beam_rows:
-            if req.error is None and req.request_id in self.requests:
-                self._isolated(req, self._beam_logits, req, seq, logits[i])
-        return [self._output(req) for req in touched.values()]
 
     def _isolated(self, req: Request, fn: Callable[..., _T], *args: object) -> _T | None:
         """``fn(*args)``, failing only ``req`` (not the batch) if it raises."""
@@ -263,6 +294,16 @@ class LLMEngine:
         raises, each request's rows are sampled alone and only the requests that still raise
         fail (their rows get token 0, never used). A request whose generator advanced in the
         failed batched attempt draws differently in that one step."""
+        if len(plan) == logits.shape[0] and all(
+            req.error is None and req.params.argmax_only for req, _, _, _ in plan
+        ):
+            # Every row is plain greedy and plan row k is logits row k (no fan-out): one argmax.
+            # The fault-isolated path below is the fallback if this raises.
+            try:
+                picked = greedy_tokens(logits).tolist()
+                return list(zip(picked, repeat(None), repeat(None)))
+            except Exception:
+                logger.warning("batched greedy sampling raised; sampling rows", exc_info=True)
         rows = [
             SampleRow(req.params, gen, smp.seq.output_token_ids)
             for (req, smp, _, _), gen in zip(plan, gens, strict=True)
@@ -325,30 +366,31 @@ class LLMEngine:
     ) -> None:
         out = smp.output
         params = req.params
-        out.token_ids.append(token)
+        smp.tokens.append(token)
         if logprob is not None and out.cumulative_logprob is not None:
             out.cumulative_logprob += logprob
-        if out.logprobs is not None and top is not None:
-            out.logprobs.append(top)
-        new_text = smp.detok.add(token)
+        if smp.logprobs is not None and top is not None:
+            smp.logprobs.append(top)
+        detok = smp.detok
+        new_text = detok.add(token)
         reason: str | None = None
         stop_reason: str | int | None = None
         if token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
-        elif token in params.stop_token_ids:
+        elif params.stop_token_ids and token in params.stop_token_ids:
             reason, stop_reason = "stop", token
         elif params.stop:
-            hit = find_stop(smp.detok.text, len(new_text), params.stop)
+            hit = find_stop(detok.text, len(new_text), params.stop)
             if hit is not None:
                 idx, stop = hit
                 end = idx + len(stop) if params.include_stop_str_in_output else idx
-                smp.detok.text = smp.detok.text[:end]
+                detok.text = detok.text[:end]
                 reason, stop_reason = "stop", stop
-        out.text = smp.detok.text
+        out.text = detok.text
         if reason is not None:
             self.scheduler.finish(smp.seq, reason)
             out.finish_reason, out.stop_reason = reason, stop_reason
-        elif smp.seq.is_finished:
+        elif smp.seq.status is SequenceStatus.FINISHED:
             out.finish_reason = smp.seq.finish_reason
 
     def _beam_logits(self, req: Request, seq: Sequence, logits: torch.Tensor) -> None:
@@ -366,16 +408,12 @@ class LLMEngine:
         if req.beam is not None:
             outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
         elif len(req.samples) == 1:  # nothing to order
-            outputs = [_copy(req.samples[0].output)]
+            outputs = [_report(req.samples[0], finished)]
         else:
-            outputs = [_copy(s.output) for s in sorted(req.samples, key=lambda s: s.output.index)]
+            ordered = sorted(req.samples, key=lambda s: s.output.index)
+            outputs = [_report(s, finished) for s in ordered]
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            error=req.error,
+            req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.error
         )
 
 
@@ -394,13 +432,23 @@ def _scatter(
         results[k] = (result.token_ids[n], lp, top)
 
 
-def _copy(out: CompletionOutput) -> CompletionOutput:
+def _report(smp: Sample, finished: bool) -> CompletionOutput:
+    """A snapshot of a sample's output for this step's report. Unfinished, its token and
+    logprob lists are ``Prefix`` views (constant time; the engine keeps appending to the lists);
+    finished, plain copies (the lists never change again, and callers get lists)."""
+    out, tokens, lps = smp.output, smp.tokens, smp.logprobs
+    if finished:
+        token_ids: Sequence_[int] = tokens[:]
+        logprobs: Sequence_[dict[int, float]] | None = lps[:] if lps is not None else None
+    else:
+        token_ids = Prefix(tokens, len(tokens))
+        logprobs = Prefix(lps, len(lps)) if lps is not None else None
     return CompletionOutput(  # positional: this runs once per sequence per step
         out.index,
         out.text,
-        out.token_ids[:],
+        token_ids,
         out.cumulative_logprob,
-        out.logprobs[:] if out.logprobs is not None else None,
+        logprobs,
         out.finish_reason,
         out.stop_reason,
     )

@@ -44,12 +44,19 @@ from quire_engine.sequence import Sequence
 # The table entry of a released leading block: not a pool block (no pool ever counts or frees it).
 # Its id 0 is a valid index for the attention kernels, which never read it unmasked.
 RELEASED = Block(0)
+# Block ids are C ints: 32 bits on every platform torch supports (the runner reads them as int32).
+assert array("i").itemsize == 4, "array('i') must hold int32 block ids"
 _NEVER = sys.maxsize  # publish_at of a table whose full blocks are queued in _unpublished
 
 
 class _Table:
     """One sequence's device blocks (``blocks``) and their ids (``ids``, shared read-only with
     scheduler outputs), plus how many leading blocks were already offered to the prefix cache.
+
+    ``ids`` is an ``array('i')`` (int32 machine words) rather than a list: the runner builds the
+    step's ``[num_seqs, max_blocks]`` block-table tensor by joining the tables' buffers
+    (microseconds for hundreds of sequences) instead of converting every id of every table from a
+    Python int each step, a cost that would grow with context length.
 
     ``capacity`` (slots held), ``publish_at`` (the token count that fills the next unpublished
     block) and ``forked`` (whether any block may be shared with a sibling) are kept so that the
@@ -63,7 +70,7 @@ class _Table:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.blocks: list[Block] = []
-        self.ids: list[int] = []
+        self.ids: array[int] = array("i")
         self.capacity = 0
         self.forked = False
         self.num_released = 0  # leading entries that are RELEASED
@@ -148,9 +155,15 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, seq_id: str) -> list[int]:
-        """The live id list of a sequence's table; consumers must not mutate it."""
+        """A copy of a sequence's block ids, in table order."""
         table = self._tables.get(seq_id)
-        return table.ids if table is not None else []
+        return table.ids.tolist() if table is not None else []
+
+    def live_ids(self, seq_id: str) -> array[int]:
+        """The live id array of a sequence's table (what scheduler outputs carry); consumers
+        read it and never mutate it."""
+        table = self._tables.get(seq_id)
+        return table.ids if table is not None else array("i")
 
     def ref_counts(self, seq_id: str) -> list[int]:
         """Per table entry (0 for a released one)."""
@@ -206,12 +219,12 @@ class KVCacheManager:
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed: list[Block] | None = None
-    ) -> list[int] | None:
+    ) -> array[int] | None:
         """Make room for ``num_new_tokens`` tokens after ``seq.num_computed_tokens``.
 
         ``computed`` are prefix-cache hits for a sequence that holds no blocks yet; they are taken
         (ref + 1) and ``seq.num_computed_tokens`` advances past them. Returns the sequence's live
-        block-id list, or None, changing nothing, when the pool cannot supply the blocks.
+        block-id array, or None, changing nothing, when the pool cannot supply the blocks.
         """
         table = self._tables.get(seq.seq_id)
         bs = self.block_size

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,12 +198,15 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
     )
 
 
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    """``[num_seqs, max_blocks]`` int32, zero-padded (padding id 0 is never read): the lists
-    are flattened in one pass and scattered under a length mask."""
+def _pad_tables(tables: list[array[int]]) -> np.ndarray:
+    """``[num_seqs, max_blocks]`` int32, zero-padded (padding id 0 is never read). The tables
+    are int32 arrays: their buffers are joined in one C call and scattered under a length mask,
+    so no block id passes through a Python int here."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     width = int(lens.max())
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    flat = np.frombuffer(b"".join(tables), dtype=np.int32)
+    if int(lens.min()) == width:  # equal lengths (typical of a decode batch): no padding
+        return flat.reshape(len(tables), width).copy()
     out = np.zeros((len(tables), width), dtype=np.int32)
     out[np.arange(width) < lens[:, None]] = flat  # row-major mask order = concatenation order
     return out

@@ -33,12 +33,17 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Sample:
-    """One output stream of a request: its sequence, RNG, detokenizer and output so far."""
+    """One output stream of a request: its sequence, RNG, detokenizer and output so far.
+
+    ``tokens`` and ``logprobs`` are the very lists held by ``output`` (typed there as read-only
+    sequences): the engine appends to them, and reports hand out ``Prefix`` views of them."""
 
     seq: Sequence
     generator: torch.Generator | None
     detok: Detokenizer
     output: CompletionOutput
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -57,7 +62,10 @@ class Request:
             return True
         if self.beam is not None:
             return self.beam.done
-        return len(self.samples) == self.params.n and all(s.output.finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # the common case, checked for every request every step
+            return self.params.n == 1 and samples[0].output.finish_reason is not None
+        return len(samples) == self.params.n and all(s.output.finished for s in samples)
 
 
 class RequestTable:
@@ -100,12 +108,16 @@ class RequestTable:
     ) -> Sample:
         """A sample object for ``seq`` (not registered); its output starts empty."""
         want_lp = request.params.logprobs is not None
+        tokens: list[int] = []
+        logprobs: list[dict[int, float]] | None = [] if want_lp else None
         out = CompletionOutput(
             index=index,
+            token_ids=tokens,
             cumulative_logprob=0.0 if want_lp or request.beam is not None else None,
-            logprobs=[] if want_lp else None,
+            logprobs=logprobs,
         )
-        return Sample(seq, generator, Detokenizer(self._tokenizer, request.prompt_token_ids), out)
+        detok = Detokenizer(self._tokenizer, request.prompt_token_ids)
+        return Sample(seq, generator, detok, out, tokens, logprobs)
 
     def fork(
         self,

@@ -98,6 +98,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing else to compute: no penalties, no logprobs (the sampler's one
+        batched argmax serves such rows)."""
+        return (
+            self.temperature < GREEDY_BELOW
+            and self.logprobs is None
+            and not self.presence_penalty
+            and not self.frequency_penalty
+        )
+
 
 def _check_int(name: str, value: object, low: int, high: int | None, *, none: str = "") -> None:
     """``low <= value <= high`` for a true int (not a bool, float or string)."""

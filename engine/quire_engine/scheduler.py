@@ -21,6 +21,7 @@ ends. Every path out (finish, abort, preemption) releases the blocks through the
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,18 +36,18 @@ class SchedulerOutput:
     """One step's plan, in batch order, for the model runner.
 
     Per scheduled sequence: the sequence, how many new tokens it computes, the position of the
-    first one, its block table (the live id list: read it, never mutate it) and whether the step
-    ends at its last known token (so its logits are sampled). The slot of every new token follows
-    from the block tables (``slot_mapping()``); the runner computes it vectorized. Block moves are
-    performed by the runner before the forward pass in this order: ``swap_out``, ``swap_in``,
-    ``block_copies``.
+    first one, its block table (the live int32 id array: read it, never mutate it) and whether
+    the step ends at its last known token (so its logits are sampled). The slot of every new
+    token follows from the block tables (``slot_mapping()``); the runner computes it vectorized.
+    Block moves are performed by the runner before the forward pass in this order:
+    ``swap_out``, ``swap_in``, ``block_copies``.
     """
 
     block_size: int
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    block_tables: list[array[int]] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -197,7 +198,7 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
         out.start_positions.append(start)
-        out.block_tables.append(self.kv.block_ids(seq.seq_id))
+        out.block_tables.append(self.kv.live_ids(seq.seq_id))
         out.samples.append(start + n == len(seq.token_ids))
         out.num_batched_tokens += n
 
@@ -269,13 +270,17 @@ class Scheduler:
         reason "length"). Sequences aborted while the step ran are skipped.
         """
         finished = []
-        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
+        kv = self.kv
+        windowed = kv.sliding_window is not None
+        get = sampled.get
+        running = SequenceStatus.RUNNING
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):  # hot: locals only
+            if seq.status is not running:
                 continue
             seq.num_computed_tokens += n
-            if self.kv.sliding_window is not None:  # blocks no future query can see
-                self.kv.release_out_of_window(seq)
-            token = sampled.get(seq.seq_id)
+            if windowed:  # blocks no future query can see
+                kv.release_out_of_window(seq)
+            token = get(seq.seq_id)
             if token is not None and self.append(seq, token):
                 finished.append(seq)
         return finished

@@ -50,8 +50,9 @@ def test_step_inputs_match_the_scheduler() -> None:
         assert x.seq_lens.tolist() == [
             p + n for p, n in zip(out.start_positions, out.num_new_tokens, strict=True)
         ]
-        width = max(len(t) for t in out.block_tables)
-        assert x.tables.tolist() == [t + [0] * (width - len(t)) for t in out.block_tables]
+        tables = [t.tolist() for t in out.block_tables]
+        width = max(len(t) for t in tables)
+        assert x.tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
     assert second.num_new_tokens == [1, 5] and build_step_inputs(second).sample_rows.tolist() == [
         0,
         5,

@@ -83,8 +83,14 @@ def test_a_fault_in_detokenization_after_the_fork_fails_only_that_request(
     marker = [7, 7, 7]  # a prompt of token ids no healthy prompt ends with
 
     class Poisoned(Detokenizer):
+        def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+            super().__init__(tokenizer, prompt_token_ids)
+            self.poisoned = prompt_token_ids == marker
+            self.calls = 0
+
         def add(self, token_id: int) -> str:
-            if self.token_ids[:3] == marker and len(self.token_ids) == len(marker) + LAST - 1:
+            self.calls += 1
+            if self.poisoned and self.calls == LAST:  # the request's last token
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
             return super().add(token_id)
 

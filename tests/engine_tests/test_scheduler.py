@@ -294,7 +294,7 @@ def test_decode_into_fresh_block_takes_the_queue_head() -> None:
     sched.add(a)
     run_step(sched)  # prefill fills block 0
     out = run_step(sched)  # position 2 needs a fresh block: the free queue's head, block 1
-    assert out.block_tables == [[0, 1]] and out.start_positions == [2]
+    assert [t.tolist() for t in out.block_tables] == [[0, 1]] and out.start_positions == [2]
     assert sched.kv.ref_counts("a") == [1, 1]
     sched.finish(a, "abort")
     assert sched.kv.stats().used == 0

@@ -162,6 +162,9 @@ def _profiled(engine: engine_module.LLMEngine, totals: dict[str, int], on: bool)
         _patched(runner, "execute", timed(totals, "runner", runner.execute)),
         _patched(sched, "update", timed(totals, "update", sched.update)),
         _patched(engine_module, "sample", timed(totals, "sample", engine_module.sample)),
+        _patched(
+            engine_module, "greedy_tokens", timed(totals, "sample", engine_module.greedy_tokens)
+        ),
         _patched(detok_cls, "add", timed(totals, "detokenize", detok_cls.add)),
     ):
         yield
