@@ -208,6 +208,7 @@ class LLMEngine:
         gens: list[torch.Generator | None] = []
         beam_rows: list[tuple[Request, Sequence, int]] = []
         fanned = False  # some request forks samples this step (n > 1, first token)
+        argmax_only = True  # every row plain greedy: the sampler's single argmax serves them
         i = 0
         for seq, samples in zip(out.seqs, out.samples, strict=True):
             if not samples:
@@ -229,8 +230,12 @@ class LLMEngine:
             else:
                 plan.append((req, smp, 0, i))
                 gens.append(smp.generator)
+                argmax_only = argmax_only and req.params.argmax_only
             i += 1
-        tokens = self._sample(logits, plan, gens)
+        if argmax_only and not fanned and not beam_rows:
+            tokens = self._argmax(logits, len(plan))
+        else:
+            tokens = self._sample(logits, plan, gens)
         primary = {
             smp.seq.seq_id: tok
             for (req, smp, j, _), (tok, _, _) in zip(plan, tokens, strict=True)
@@ -287,6 +292,13 @@ class LLMEngine:
         logger.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
         self.requests.fail(req, f"internal error while generating: {type(exc).__name__}: {exc}")
 
+    def _argmax(self, logits: torch.Tensor, num_rows: int) -> list[_Sampled]:
+        """Plain greedy rows, plan row k = logits row k: one argmax over the batch. Nothing here
+        depends on one request, so a failure is the batch's (it propagates)."""
+        if logits.shape[0] != num_rows:
+            raise ValueError(f"{logits.shape[0]} logit rows for {num_rows} sampling rows")
+        return list(zip(greedy_tokens(logits).tolist(), repeat(None), repeat(None)))
+
     def _sample(
         self, logits: torch.Tensor, plan: list[_Row], gens: list[torch.Generator | None]
     ) -> list[_Sampled]:
@@ -294,16 +306,6 @@ class LLMEngine:
         raises, each request's rows are sampled alone and only the requests that still raise
         fail (their rows get token 0, never used). A request whose generator advanced in the
         failed batched attempt draws differently in that one step."""
-        if len(plan) == logits.shape[0] and all(
-            req.error is None and req.params.argmax_only for req, _, _, _ in plan
-        ):
-            # Every row is plain greedy and plan row k is logits row k (no fan-out): one argmax.
-            # The fault-isolated path below is the fallback if this raises.
-            try:
-                picked = greedy_tokens(logits).tolist()
-                return list(zip(picked, repeat(None), repeat(None)))
-            except Exception:
-                logger.warning("batched greedy sampling raised; sampling rows", exc_info=True)
         rows = [
             SampleRow(req.params, gen, smp.seq.output_token_ids)
             for (req, smp, _, _), gen in zip(plan, gens, strict=True)

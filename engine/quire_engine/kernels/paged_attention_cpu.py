@@ -12,7 +12,8 @@ writes only model K/V into them):
 
 * decode sequences (one query token), longest first, in chunks whose gathered K stays near
   ``_DECODE_CHUNK_BYTES`` and whose contexts are at least half the chunk's padded length; one
-  SDPA call per chunk over the gathered ``[n, padded, kv_heads, D]`` context, masked by length;
+  SDPA call per chunk over the gathered ``[n, padded, kv_heads, D]`` context, masked by length,
+  with the query heads of each KV head as its query rows (no K/V repeated per head);
 * sequences with several query tokens one by one, with a causal mask shifted by their cached
   prefix.
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from quire_engine.kernels.paged_attention import _DECODE_CHUNK_BYTES
+from quire_engine.kernels.paged_attention import _DECODE_CHUNK_BYTES, attend_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,15 +165,15 @@ class CpuAttentionPlan:
         for c in self.decode:
             k = torch.index_select(k_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
             v = torch.index_select(v_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
-            o = F.scaled_dot_product_attention(
-                q.index_select(0, c.rows).float().unsqueeze(2),  # [n, heads, 1, D]
+            o = attend_decode(
+                q.index_select(0, c.rows).float(),  # [n, heads, D]
                 k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
                 v.float().transpose(1, 2),
-                attn_mask=c.mask,
-                scale=scale,
-                enable_gqa=True,
-            )  # [n, heads, 1, D]
-            out.index_copy_(0, c.rows, o.squeeze(2).to(q.dtype))
+                c.mask,  # [n, 1, 1, padded]
+                scale,
+                None,
+            )  # [n, heads, D]
+            out.index_copy_(0, c.rows, o.to(q.dtype))
         for p in self.prefill:
             k = torch.index_select(k_cache, 0, p.blocks).view(-1, kv_heads, head_dim)
             v = torch.index_select(v_cache, 0, p.blocks).view(-1, kv_heads, head_dim)
