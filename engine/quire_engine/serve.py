@@ -170,6 +170,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
     )
+    flag(
+        "--profile",
+        "time every engine step by phase (matmuls, attention, rest of the forward, step "
+        "Python) and export it on /metrics as quire_profile_step_cpu_seconds_total; for "
+        "benchmarks (bench serve --profile): the hooks cost microseconds per module call",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+    )
     flag("--log-format", "log line format", choices=["text", "json"], default="text")
     flag(
         "--log-level",
@@ -258,7 +266,23 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True  # uvicorn polls it; safe to set from any thread
 
-    app = create_app(dataclasses.replace(settings, on_engine_death=on_engine_death))
+    settings = dataclasses.replace(settings, on_engine_death=on_engine_death)
+    profile = None
+    if args.profile:
+        from quire_engine.bench.profile import StepProfile
+
+        profile = StepProfile()
+        factory = settings.engine_factory
+        settings = dataclasses.replace(
+            settings, engine_factory=lambda config: profile.install(factory(config))
+        )
+    app = create_app(settings)
+    if profile is not None:
+        from quire_engine.bench.profile import ProfileCollector
+
+        app.state.metrics.registry.register(
+            ProfileCollector(profile, settings.served_model_names[0])
+        )
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -1,7 +1,8 @@
 """``quire-engine bench serve`` with its peers in CI size: it launches a real ``quire-engine
 serve`` and ``transformers serve --continuous-batching`` on loopback (one after the other, the
 same model and KV budget), runs the offline peer, and reports every request completed with the
-exact token counts and the ratios (speed is measured by the benchmark, not asserted here)."""
+exact token counts and the ratios (speed is measured by the benchmark, not asserted here), and
+with ``--profile`` the Quire server's step split read from its ``/metrics``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ SMALL = [
 @pytest.mark.slow
 def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
     systems = "quire,transformers" if importlib.util.find_spec("accelerate") else "quire"
-    assert main(["bench", "serve", "--json", "--launch", systems, "--offline", *SMALL]) == 0
+    argv = ["bench", "serve", "--json", "--launch", systems, "--offline", "--profile", *SMALL]
+    assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     expected = out["output_tokens"]
     assert expected > 0 and out["prompt_format"] == ("text" if "," in systems else "ids")
@@ -31,6 +33,14 @@ def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
         assert report["completed"] == 5 and report["failed"] == 0, report["errors"]
         assert report["total_output_tokens"] == expected
         assert report["p99_ttft_ms"] is not None
+    # --profile: the Quire server ran with serve --profile; its steps over the run, split.
+    profile = out["quire"]["profile"]
+    assert profile["steps"] > 0 and profile["step_cpu_s"] > 0
+    assert set(profile["split_s"]) == {"matmuls", "attention", "forward_other", "step_python"}
+    assert profile["split_s"]["matmuls"] > 0 and profile["split_s"]["attention"] > 0
+    assert "server_cpu_outside_steps_s" in profile
+    if "," in systems:
+        assert "profile" not in out["transformers"]  # exports no quire_profile_* counters
     assert out["offline"]["total_output_tokens"] == expected
     assert out["ratio_vs_offline"] > 0
     if "," in systems:

@@ -15,16 +15,22 @@ The split it reports, in seconds and as shares of the step time:
 The hooks cost a few microseconds per module call, so a profiled run is slower than a plain one:
 compare shares, and time throughput without ``--profile``. On CUDA the times are host times of
 asynchronous launches, not GPU time.
+
+``quire-engine serve --profile`` installs a profile on the server's engine for the process's
+life and exports it on ``/metrics`` (``ProfileCollector``) as
+``quire_profile_step_cpu_seconds_total{phase=...}`` and ``quire_profile_steps_total``;
+``bench serve --profile`` reads them before and after its run.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from prometheus_client.core import CounterMetricFamily, Metric
 from transformers import AttentionInterface
 
 from quire_engine import attention
@@ -49,6 +55,7 @@ class StepProfile:
     def __init__(self) -> None:
         self.ns: dict[str, int] = {"step": 0, "forward": 0, "matmuls": 0, "attention": 0}
         self.steps = 0
+        self._installed: ExitStack | None = None
 
     @contextmanager
     def attach(self, engine: LLMEngine) -> Iterator[None]:
@@ -90,18 +97,55 @@ class StepProfile:
             for handle in handles:
                 handle.remove()
 
-    def report(self) -> dict[str, Any]:
-        ns = self.ns
-        parts = {
+    def install(self, engine: LLMEngine) -> LLMEngine:
+        """``attach`` for the rest of the process's life (``serve --profile``); returns the
+        engine, so that it can wrap an engine factory."""
+        self._installed = ExitStack()
+        self._installed.enter_context(self.attach(engine))
+        return engine
+
+    def parts_ns(self) -> dict[str, int]:
+        """Thread CPU nanoseconds per phase so far (the phases partition the step time)."""
+        ns = dict(self.ns)  # one snapshot: another thread may be stepping
+        return {
             "matmuls": ns["matmuls"],
             "attention": ns["attention"],
             "forward_other": ns["forward"] - ns["matmuls"] - ns["attention"],
             "step_python": ns["step"] - ns["forward"],
         }
-        total = max(ns["step"], 1)
-        return {
-            "steps": self.steps,
-            "step_cpu_s": round(ns["step"] / 1e9, 3),
-            "split_s": {k: round(v / 1e9, 3) for k, v in parts.items()},
-            "split_share": {k: round(v / total, 3) for k, v in parts.items()},
-        }
+
+    def report(self) -> dict[str, Any]:
+        return split_report(self.steps, {k: v / 1e9 for k, v in self.parts_ns().items()})
+
+
+def split_report(steps: int, parts_s: dict[str, float]) -> dict[str, Any]:
+    """The profile's JSON: steps, step CPU seconds, and the split in seconds and shares."""
+    total = sum(parts_s.values())
+    return {
+        "steps": steps,
+        "step_cpu_s": round(total, 3),
+        "split_s": {k: round(v, 3) for k, v in parts_s.items()},
+        "split_share": {k: round(v / total, 3) if total > 0 else 0.0 for k, v in parts_s.items()},
+    }
+
+
+class ProfileCollector:
+    """A live ``StepProfile`` as Prometheus counters, read at scrape time (``serve --profile``)."""
+
+    def __init__(self, profile: StepProfile, model_name: str) -> None:
+        self.profile = profile
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        cpu = CounterMetricFamily(
+            "quire_profile_step_cpu_seconds",
+            "Engine-thread CPU seconds inside engine steps, by phase (serve --profile only).",
+            labels=["model_name", "phase"],
+        )
+        for phase, ns in self.profile.parts_ns().items():
+            cpu.add_metric([self.model_name, phase], ns / 1e9)
+        steps = CounterMetricFamily(
+            "quire_profile_steps", "Engine steps profiled.", labels=["model_name"]
+        )
+        steps.add_metric([self.model_name], self.profile.steps)
+        return [cpu, steps]

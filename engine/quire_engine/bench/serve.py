@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="split the Quire server's CPU: its engine steps by phase (launched with serve "
+        "--profile; with --url the server must run with --profile) and the rest of the "
+        "process (HTTP, SSE, tokenization)",
+    )
 
 
 @dataclass(slots=True)
@@ -202,6 +209,7 @@ def _compare(args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.max_model_len,
             max_batch_tokens=args.max_batch_tokens,
             dtype="float32",
+            profile=args.profile,
         )
         for system in systems:
             log = Path(tmp) / f"{system}.log"
@@ -293,6 +301,7 @@ async def _bench(
             await _request(client, model, workload.prompts[0], warm, None, workload.ignore_eos)
         rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        profile_start = await _profile_counters(client) if args.profile else None
         cpu_start = cpu() if cpu is not None else None
         start = time.perf_counter()
         tasks = []
@@ -307,10 +316,46 @@ async def _bench(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         cpu_s = cpu() - cpu_start if cpu is not None and cpu_start is not None else None
+        profile_end = await _profile_counters(client) if profile_start is not None else None
     report = _report(args, url, model, results, duration)
     if cpu_s:
         report["server_cpu_s"] = round(cpu_s, 2)
         report["output_tokens_per_cpu_s"] = round(report["total_output_tokens"] / cpu_s, 2)
+    if profile_start is not None and profile_end is not None:
+        report["profile"] = _profile_report(profile_start, profile_end, cpu_s)
+    return report
+
+
+async def _profile_counters(client: httpx2.AsyncClient) -> dict[str, float] | None:
+    """``quire_profile_*`` counters from ``/metrics`` (phase -> CPU seconds, plus "steps"), or
+    None when the server exports none (not Quire, or not started with ``--profile``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = await client.get("/metrics")
+    if response.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == "quire_profile_step_cpu_seconds_total":
+                found[sample.labels["phase"]] = sample.value
+            elif sample.name == "quire_profile_steps_total":
+                found["steps"] = sample.value
+    return found or None
+
+
+def _profile_report(
+    start: dict[str, float], end: dict[str, float], server_cpu_s: float | None
+) -> dict[str, Any]:
+    """The engine steps' split over the run, and the server CPU spent outside them."""
+    from quire_engine.bench.profile import split_report
+
+    phases = {k: end[k] - start.get(k, 0.0) for k in end if k != "steps"}
+    report = split_report(int(end.get("steps", 0) - start.get("steps", 0)), phases)
+    if server_cpu_s is not None:
+        # The event loop (HTTP, JSON, SSE), tokenization threads and the engine thread between
+        # steps: what serving adds on top of the engine's own work.
+        report["server_cpu_outside_steps_s"] = round(server_cpu_s - sum(phases.values()), 3)
     return report
 
 

@@ -39,6 +39,7 @@ class ServerSpec:
     max_model_len: int
     max_batch_tokens: int
     dtype: str
+    profile: bool = False  # quire only: serve --profile (the step split on /metrics)
 
 
 def build_model_dir(
@@ -79,6 +80,7 @@ def command(system: str, spec: ServerSpec, port: int) -> list[str]:
             "--max-model-len", str(spec.max_model_len),
             "--max-num-batched-tokens", str(spec.max_batch_tokens),
             "--log-level", "warning",
+            *(["--profile"] if spec.profile else []),
         ]  # fmt: skip
     if system == "transformers":
         exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
