@@ -13,10 +13,14 @@ request and the (rate-limited) preemption warnings.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from quire_engine.config import PreemptionMode
 from quire_engine.outputs import RequestOutput
@@ -59,11 +63,72 @@ def kv_demand_blocks(scheduler: Scheduler, output_share: float = KV_DEMAND_OUTPU
     kv = scheduler.kv
     max_len = scheduler.config.max_model_len
     demand = kv.stats().used
-    for seq in scheduler.seqs.values():
-        remaining = min(seq.max_tokens - len(seq.output_token_ids), max_len - seq.num_tokens)
-        projected = seq.num_tokens + int(output_share * max(remaining, 0))
-        demand += max(0, kv.num_blocks_for(projected) - len(kv.block_ids(seq.seq_id)))
+    bs, held = kv.block_size, kv.live_ids
+    for seq in scheduler.seqs.values():  # every step, every sequence: plain arithmetic only
+        projected = len(seq.token_ids)
+        remaining = min(seq.max_tokens - len(seq.output_token_ids), max_len - projected)
+        if remaining > 0:
+            projected += int(output_share * remaining)
+        lacking = -(-projected // bs) - len(held(seq.seq_id))
+        if lacking > 0:
+            demand += lacking
     return demand
+
+
+class BatchHistogram:
+    """A Prometheus histogram that takes many equal observations at once (``observe_many``).
+
+    The inter-token latency has one observation per running sample per step, and within a step
+    most of them are equal (the time since the previous step). ``prometheus_client.Histogram``
+    costs one call, a scan of the bounds and two locks per observation (about 1.4 ms per step at
+    256 sequences, more than the step itself); here a step's observations are grouped by value
+    and applied under one lock. Exposed like ``Histogram`` (``_bucket`` with ``le``, ``_count``,
+    ``_sum``) by a collector that reads it under the same lock, so a scrape never sees a step
+    half applied."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: tuple[float, ...],
+        model_name: str,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = [float(b) for b in buckets if b != float("inf")]
+        self.model_name = model_name
+        self._counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative); last: +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_many({value: 1})
+
+    def observe_many(self, counts: dict[float, int]) -> None:
+        """Observe each value ``counts[value]`` times."""
+        bounds = self.bounds
+        with self._lock:
+            for value, n in counts.items():
+                self._counts[bisect.bisect_left(bounds, value)] += n  # le: value <= bound
+                self._sum += value * n
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, n in zip([*self.bounds, float("inf")], counts, strict=True):
+            cumulative += n
+            buckets.append((_le(bound), float(cumulative)))
+        family.add_metric([self.model_name], buckets, total)
+        return [family]
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus client libraries write it (``0.5``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 class ServerMetrics:
@@ -124,8 +189,12 @@ class ServerMetrics:
         self.ttft = histogram(
             "quire_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
-        self.itl = histogram(
-            "quire_inter_token_latency_seconds", "Time between tokens of a sample.", ITL_BUCKETS
+        self.itl = BatchHistogram(
+            "quire_inter_token_latency_seconds",
+            "Time between tokens of a sample.",
+            ITL_BUCKETS,
+            model_name,
+            reg,
         )
         self.e2e = histogram(
             "quire_e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS
@@ -188,6 +257,10 @@ class StatsRecorder:
         progressed = {out.request_id for out in outputs}
         for rid in [r for r in self._queued if r in progressed or self._left_queue(r)]:
             m.queue_time.observe(max(0.0, start - self._queued.pop(rid).arrival))
+        # Once per request per step: counters and the inter-token histogram are added up here
+        # and applied once per step.
+        itl: dict[float, int] = {}
+        generated = prompts = 0
         for out in outputs:
             line = self._live.get(out.request_id)
             if line is None:
@@ -202,19 +275,26 @@ class StatsRecorder:
                 line.seen[sample.index] = count
                 previous = line.last_token.get(sample.index)
                 if previous is not None:
-                    m.itl.observe(end - previous)
+                    gap = end - previous
+                    itl[gap] = itl.get(gap, 0) + 1
                 line.last_token[sample.index] = end
             if new_tokens and line.first_token is None:
                 line.first_token = end
                 m.ttft.observe(end - line.arrival)
-                m.prompt_tokens.inc(line.num_prompt_tokens)
-            m.generation_tokens.inc(new_tokens)
+                prompts += line.num_prompt_tokens
+            generated += new_tokens
             if out.finished:
                 del self._live[out.request_id]
                 reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
                 m.e2e.observe(end - line.arrival)
                 m.success(reason).inc()
                 self._log_finished(out.request_id, line, reason, end)
+        if itl:
+            m.itl.observe_many(itl)
+        if generated:
+            m.generation_tokens.inc(generated)
+        if prompts:
+            m.prompt_tokens.inc(prompts)
         self._count_cache_and_preemptions(end)
 
     def refresh(self) -> None:

@@ -1,0 +1,47 @@
+"""``BatchHistogram`` is exposed exactly like ``prometheus_client.Histogram`` fed the same
+observations one by one (bucket counts, ``le`` labels, count; the sum within float rounding),
+including values that sit exactly on a bucket bound (``le`` is inclusive)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from quire_engine.metrics import ITL_BUCKETS, BatchHistogram
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+    return {
+        (s.name, s.labels.get("le", "")): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_batch_histogram_matches_the_client_histogram() -> None:
+    rng = random.Random(0)
+    values = [rng.choice(ITL_BUCKETS) for _ in range(40)]  # on the bounds: le is inclusive
+    values += [rng.uniform(0, 3) for _ in range(200)] + [0.0, 7.5, 1e-9]
+    steps = [values[i : i + 17] for i in range(0, len(values), 17)]
+
+    plain_reg, batch_reg = CollectorRegistry(), CollectorRegistry()
+    plain = Histogram("lat_seconds", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=plain_reg)
+    batch = BatchHistogram("lat_seconds", "doc", ITL_BUCKETS, "m", batch_reg)
+    for step in steps:
+        counts: dict[float, int] = {}
+        for v in step:
+            plain.labels("m").observe(v)
+            counts[v] = counts.get(v, 0) + 1
+        batch.observe_many(counts)
+
+    want, got = samples(plain_reg), samples(batch_reg)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if key[0].endswith("_sum"):
+            assert got[key] == pytest.approx(value, rel=1e-12)
+        else:
+            assert got[key] == value, key
+    assert got[("lat_seconds_count", "")] == len(values)
