@@ -56,7 +56,9 @@ class _Table:
     ``ids`` is an ``array('i')`` (int32 machine words) rather than a list: the runner builds the
     step's ``[num_seqs, max_blocks]`` block-table tensor by joining the tables' buffers
     (microseconds for hundreds of sequences) instead of converting every id of every table from a
-    Python int each step, a cost that would grow with context length.
+    Python int each step, a cost that would grow with context length. Readers must not keep a
+    buffer view of it (``memoryview``, ``np.frombuffer`` without a copy): an array whose buffer
+    is exported cannot grow, and the table grows while its sequence runs.
 
     ``capacity`` (slots held), ``publish_at`` (the token count that fills the next unpublished
     block) and ``forked`` (whether any block may be shared with a sibling) are kept so that the
