@@ -24,6 +24,9 @@ def test_step_bench_small(capsys: object) -> None:
         assert result["step_us_p50"] > 0 and result["step_us_p99"] >= result["step_us_p50"]
         split = result["split_us_per_step"]
         assert {"schedule", "runner", "sample", "update", "detokenize", "other"} <= set(split)
+    assert main([*args, "--metrics"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[attr-defined]
+    assert out["3"]["metrics_us_p50"] > 0 and out["3"]["metrics_us_p99"] >= 0
 
 
 def test_step_inputs_match_the_scheduler() -> None:

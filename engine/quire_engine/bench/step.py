@@ -9,7 +9,9 @@ GPU the forward is asynchronous and this work is what the GPU waits on).
 
 For each ``--running`` count, that many greedy requests (``ignore_eos``, long ``max_tokens``) are
 prefilled, then ``--steps`` decode steps are timed in thread CPU time (time spent descheduled by
-other processes on a shared machine is not counted). ``--profile`` adds the split by phase.
+other processes on a shared machine is not counted). ``--profile`` adds the split by phase;
+``--metrics`` also times the server's metric accounting that follows every step on the engine
+thread (``metrics_us_*``, not included in ``step_us_*``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from quire_engine.bench.profile import timed
 from quire_engine.bench.workload import random_tokens
 from quire_engine.detokenizer import Detokenizer
 from quire_engine.llm import LLM
+from quire_engine.metrics import ServerMetrics, StatsRecorder
 from quire_engine.sampling_params import SamplingParams
 
 
@@ -50,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="split each step by phase")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also time the server's per-step metric accounting (StatsRecorder.step and "
+        "refresh, run by the engine thread after every step): metrics_us_*",
+    )
 
 
 @dataclass(slots=True)
@@ -127,11 +136,19 @@ def _measure(
         if engine.scheduler.num_running != count or engine.scheduler.num_waiting:
             raise ValueError(f"could not run {count} sequences at once")
         timings: list[float] = []
+        accounting: list[float] = []
+        recorder = _recorder(engine, ids) if args.metrics else None
         with _profiled(engine, totals, args.profile):
             for _ in range(args.steps):
                 t0 = time.thread_time_ns()
-                engine.step()
-                timings.append((time.thread_time_ns() - t0) / 1000)
+                outputs = engine.step()
+                t1 = time.thread_time_ns()
+                timings.append((t1 - t0) / 1000)
+                if recorder is not None:  # as AsyncEngine does after every step
+                    now = time.monotonic()
+                    recorder.step(outputs, now, now)
+                    recorder.refresh()
+                    accounting.append((time.thread_time_ns() - t1) / 1000)
     finally:
         for rid in ids:
             engine.abort_request(rid)
@@ -141,12 +158,25 @@ def _measure(
         "step_us_p99": round(timings[int(0.99 * (len(timings) - 1))], 1),
         "step_us_mean": round(statistics.fmean(timings), 1),
     }
+    if accounting:
+        accounting.sort()
+        out["metrics_us_p50"] = round(statistics.median(accounting), 1)
+        out["metrics_us_p99"] = round(accounting[int(0.99 * (len(accounting) - 1))], 1)
     if args.profile:
         total = sum(timings)
         phases = {name: ns / 1000 / args.steps for name, ns in totals.items()}
         phases["other"] = total / args.steps - sum(phases.values())
         out["split_us_per_step"] = {k: round(v, 1) for k, v in phases.items()}
     return out
+
+
+def _recorder(engine: engine_module.LLMEngine, ids: list[str]) -> StatsRecorder:
+    """A server's metric accounting for the running requests (its own registry)."""
+    recorder = StatsRecorder(ServerMetrics("bench-step"), engine.scheduler)
+    now = time.monotonic()
+    for rid in ids:
+        recorder.added(rid, 0, now)
+    return recorder
 
 
 @contextmanager
