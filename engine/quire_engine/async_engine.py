@@ -265,10 +265,6 @@ class AsyncEngine:
         """Refuse new requests from now on (``/ready`` turns 503); live ones go on."""
         self._draining = True
 
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
     def fail_open(self, error: EngineUnavailable) -> None:
         """End every open request with ``error`` and abort it in the engine (event loop)."""
         self._fail_all(error)

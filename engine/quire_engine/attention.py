@@ -71,8 +71,11 @@ class LayerAttention:
     scaling: float | None  # softmax scale; None: head_dim ** -0.5
 
 
+_KNOWN_KWARGS = frozenset(IGNORED_KWARGS) | frozenset(HONOURED_KWARGS)  # built once: per layer
+
+
 def _unknown(kwargs: dict[str, Any]) -> set[str]:
-    return kwargs.keys() - IGNORED_KWARGS.keys() - set(HONOURED_KWARGS)
+    return kwargs.keys() - _KNOWN_KWARGS
 
 
 def paged_attention_forward(
@@ -91,8 +94,8 @@ def paged_attention_forward(
     md = quire_metadata
     if md is None:
         raise ValueError("the quire attention needs quire_metadata (call through ModelRunner)")
-    if kwargs and _unknown(kwargs):
-        raise ValueError(f"attention keywords Quire cannot honour: {sorted(_unknown(kwargs))}")
+    if kwargs and (unknown := _unknown(kwargs)):
+        raise ValueError(f"attention keywords Quire cannot honour: {sorted(unknown)}")
     if dropout:
         raise ValueError(f"attention dropout {dropout} in inference: call model.eval()")
     k_cache, v_cache = md.kv_caches[module.layer_idx]  # type: ignore[index]

@@ -131,12 +131,10 @@ class Detokenizer:
         self.read_offset = len(context)
         # Fast path state: the bytes of the prefix window, the length of its text, and the
         # bytes of the tokens not yet made final.
-        self._token_bytes: list[bytes] | None = None
         self._prefix_bytes = b""
         self._prefix_len = 0
         self._pending = b""
         if self.table is not None:
-            self._token_bytes = self.table.token_bytes
             self._prefix_bytes = self.table.join(context)
             self._prefix_len = len(self._prefix_bytes.decode("utf-8", "replace"))
 
@@ -146,11 +144,9 @@ class Detokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one generated token; returns the text it made final (possibly "")."""
-        table = self._token_bytes
-        if table is not None:  # once per sequence per step: no further calls on this path
-            pending = self._pending
-            if 0 <= token_id < len(table):
-                pending += table[token_id]
+        table = self.table
+        if table is not None:  # once per sequence per step
+            pending = self._pending + table.bytes_of(token_id)
             full = (self._prefix_bytes + pending).decode("utf-8", "replace")
             prefix_len = self._prefix_len
             if len(full) <= prefix_len or full.endswith("\ufffd"):

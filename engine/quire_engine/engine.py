@@ -63,7 +63,6 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         # The tokenizer's EOS and generation_config.json's eos_token_id list.
         self.eos_token_ids: frozenset[int] = frozenset(loaded.eos_token_ids)
-        self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.sampling_defaults = loaded.sampling_defaults
         self.vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009
         max_len = config.max_model_len or loaded.max_position_embeddings
@@ -404,25 +403,6 @@ class LLMEngine:
         beam_search.advance(self.requests, req, state, self.eos_token_ids)
 
     def _output(self, req: Request) -> RequestOutput:
-        samples = req.samples
-        if req.beam is None and req.error is None and len(samples) == 1 and req.params.n == 1:
-            # One sample, one request (nearly every report): Request.finished and _report
-            # inlined, as this runs for every request every step.
-            out = samples[0].output
-            if out.finish_reason is not None:
-                self.requests.remove(req)
-                return RequestOutput(
-                    req.request_id, req.prompt, req.prompt_token_ids, [_report(samples[0], True)],
-                    True, None,
-                )  # fmt: skip
-            tokens, lps = samples[0].tokens, samples[0].logprobs
-            report = CompletionOutput(
-                out.index, out.text, Prefix(tokens, len(tokens)), out.cumulative_logprob,
-                Prefix(lps, len(lps)) if lps is not None else None, None, None,
-            )  # fmt: skip
-            return RequestOutput(
-                req.request_id, req.prompt, req.prompt_token_ids, [report], False, None
-            )
         finished = req.finished
         if finished:
             self.requests.remove(req)

@@ -103,9 +103,6 @@ class BatchHistogram:
         self._lock = threading.Lock()
         registry.register(self)
 
-    def observe(self, value: float) -> None:
-        self.observe_many({value: 1})
-
     def observe_many(self, counts: dict[float, int]) -> None:
         """Observe each value ``counts[value]`` times."""
         bounds = self.bounds

@@ -205,8 +205,6 @@ def _pad_tables(tables: list[array[int]]) -> np.ndarray:
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     width = int(lens.max())
     flat = np.frombuffer(b"".join(tables), dtype=np.int32)
-    if int(lens.min()) == width:  # equal lengths (typical of a decode batch): no padding
-        return flat.reshape(len(tables), width).copy()
     out = np.zeros((len(tables), width), dtype=np.int32)
     out[np.arange(width) < lens[:, None]] = flat  # row-major mask order = concatenation order
     return out

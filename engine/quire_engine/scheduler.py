@@ -274,7 +274,6 @@ class Scheduler:
         windowed = kv.sliding_window is not None
         get = sampled.get
         running = SequenceStatus.RUNNING
-        max_len = self.config.max_model_len
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):  # hot: locals only
             if seq.status is not running:
                 continue
@@ -282,11 +281,8 @@ class Scheduler:
             if windowed:  # blocks no future query can see
                 kv.release_out_of_window(seq)
             token = get(seq.seq_id)
-            if token is not None:  # ``append``, inlined
-                seq.append_token(token)
-                if len(seq.output_token_ids) >= seq.max_tokens or len(seq.token_ids) >= max_len:
-                    self.finish(seq, "length")
-                    finished.append(seq)
+            if token is not None and self.append(seq, token):
+                finished.append(seq)
         return finished
 
     def append(self, seq: Sequence, token: int) -> bool:

@@ -68,10 +68,6 @@ class Timeline:
         logger.info("[%s] +%6.1fs %s", self.name, now, what)
         return now
 
-    def first(self, prefix: str) -> float | None:
-        with self._lock:
-            return next((t for t, what in self.events if what.startswith(prefix)), None)
-
     def render(self) -> str:
         with self._lock:
             lines = [f"  +{t:6.1f}s  {what}" for t, what in self.events]

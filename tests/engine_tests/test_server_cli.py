@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx2
@@ -21,8 +20,7 @@ import pytest
 from quire_engine import cli
 from quire_engine.bench.workload import sharegpt_like
 from quire_engine.serve import JsonFormatter, env_name, parse_bytes, settings_from_args
-
-ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine"
+from tests.engine_tests.server_harness import ENGINE_DIR, EngineProcess
 
 
 @pytest.fixture(autouse=True)
@@ -157,17 +155,9 @@ def test_bench_serve_against_quire_engine_serve(
         server = subprocess.Popen(
             [sys.executable, "-m", "quire_engine.cli", "serve"], env=env, stdout=log, stderr=log
         )
+    child = EngineProcess(url, server, log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, log_path.read_text()
-            try:
-                if httpx2.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx2.TransportError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
+        child.wait_ready()
         argv = ["bench", "serve", "--url", url, "--num-prompts", "6", "--request-rate", "20"]
         argv += ["--mean-prompt-len", "24", "--mean-output-len", "6", "--seed", "1", "--json"]
         assert cli.main(argv) == 0
@@ -175,9 +165,8 @@ def test_bench_serve_against_quire_engine_serve(
         metrics = httpx2.get(f"{url}/metrics").text
     finally:
         server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
     # SIGTERM drains (nothing was in flight) and exits 0.
-    assert server.returncode == 0, log_path.read_text()
+    assert child.wait_exit() == 0, child.log()
 
     lengths = sharegpt_like(6, mean_prompt=24, mean_output=6, max_model_len=256, seed=1)
     assert report["completed"] == 6 and report["failed"] == 0, report["errors"]

@@ -15,7 +15,6 @@ import pytest
 from quire_operator.config import OperatorConfig
 from quire_operator.deployment import (
     API_KEY_ENV,
-    MANAGED_FLAGS,
     REFUSED_FLAGS,
     build_deployment,
     engine_args,
@@ -250,7 +249,6 @@ def test_refused_flags_match_the_crd_rule_on_extra_args() -> None:
     engine = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
     (rule,) = engine["properties"]["extraArgs"]["x-kubernetes-validations"]
     assert tuple(re.findall(r"'(--[a-z-]+)'", rule["rule"])) == REFUSED_FLAGS
-    assert (*MANAGED_FLAGS, "--api-key") == REFUSED_FLAGS
 
 
 def test_api_key_comes_from_the_secret_as_an_env_var_only() -> None:

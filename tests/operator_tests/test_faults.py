@@ -193,8 +193,7 @@ def test_the_operator_outlives_an_api_server_restart(
 ) -> None:
     process = operators.start()
     create_example(cluster, namespace)
-    away_s = cluster.control_plane.restart_apiserver()
-    assert away_s > 0
+    cluster.control_plane.restart_apiserver()
     # Its watches reconnect: a spec change and a deleted child are both handled.
     patch_spec(cluster, namespace, {"engine": {"blockSize": 32}})
     ready(cluster, namespace, generation=2)

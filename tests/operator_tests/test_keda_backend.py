@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from tests.cluster.client import ClusterHandle, wait_for
+from tests.operator_tests.api import condition, create_isvc, get_isvc, hpa, patch_spec
 from tests.operator_tests.harness import GarbageCollectorProbe, Operators
 from tests.operator_tests.helpers import load_example
-from tests.operator_tests.test_operator import condition, create_isvc, get_isvc, hpa, patch_spec
 
 pytestmark = pytest.mark.cluster
 
