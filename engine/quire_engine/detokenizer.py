@@ -146,7 +146,17 @@ class Detokenizer:
         """Append one generated token; returns the text it made final (possibly "")."""
         table = self.table
         if table is not None:  # once per sequence per step
-            pending = self._pending + table.bytes_of(token_id)
+            pieces = table.token_bytes  # bytes_of, inlined: this runs for every token
+            piece = pieces[token_id] if 0 <= token_id < len(pieces) else b""
+            if piece and piece.isascii() and not self._pending:
+                # The common case, without decoding the window: ASCII bytes never complete or
+                # extend a character, so decode(prefix + piece) == decode(prefix) + piece (an
+                # incomplete character at the prefix's end is replaced alike either way).
+                new = piece.decode("ascii")
+                self._prefix_bytes, self._prefix_len = piece, len(new)
+                self.text += new
+                return new
+            pending = self._pending + piece
             full = (self._prefix_bytes + pending).decode("utf-8", "replace")
             prefix_len = self._prefix_len
             if len(full) <= prefix_len or full.endswith("\ufffd"):

@@ -49,8 +49,9 @@ _T = TypeVar("_T")
 _Sampled = tuple[int, float | None, dict[int, float] | None]  # token, its logprob, top logprobs
 
 
-# One planned sampling row: (request, the sample it continues, its sample index j, logits row).
-_Row = tuple[Request, Sample, int, int]
+# One planned sampling row: (request, the sample it continues, its sample index j, logits row,
+# the generator it draws from).
+_Row = tuple[Request, Sample, int, int, torch.Generator | None]
 
 
 class LLMEngine:
@@ -151,6 +152,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params)
         if beam_width is not None:
             req.beam = beam_search.BeamState(beam_width, ignore_eos=params.ignore_eos)
+        req.plain_greedy = req.beam is None and params.n == 1 and params.argmax_only
         seq = Sequence(
             f"{request_id}/0",
             ids,
@@ -204,7 +206,6 @@ class LLMEngine:
         owner = self.requests.owner
         touched: dict[str, Request] = {}
         plan: list[_Row] = []
-        gens: list[torch.Generator | None] = []
         beam_rows: list[tuple[Request, Sequence, int]] = []
         fanned = False  # some request forks samples this step (n > 1, first token)
         argmax_only = True  # every row plain greedy: the sampler's single argmax serves them
@@ -214,7 +215,9 @@ class LLMEngine:
                 continue
             req, smp = owner(seq.seq_id)
             touched[req.request_id] = req
-            if req.beam is not None:
+            if req.plain_greedy:  # the common case
+                plan.append((req, smp, 0, i, smp.generator))
+            elif req.beam is not None:
                 beam_rows.append((req, seq, i))
             elif req.params.n > 1 and len(req.samples) == 1 and not seq.output_token_ids:
                 fanned = True
@@ -224,46 +227,53 @@ class LLMEngine:
                         if j == 0
                         else self._isolated(req, self._fork_generator, req, j)
                     )
-                    plan.append((req, smp, j, i))
-                    gens.append(gen)
+                    plan.append((req, smp, j, i, gen))
             else:
-                plan.append((req, smp, 0, i))
-                gens.append(smp.generator)
+                plan.append((req, smp, 0, i, smp.generator))
                 argmax_only = argmax_only and req.params.argmax_only
             i += 1
-        if argmax_only and not fanned and not beam_rows:
+        straight = not fanned and not beam_rows
+        if argmax_only and straight:
             tokens = self._argmax(logits, len(plan))
         else:
-            tokens = self._sample(logits, plan, gens)
+            tokens = self._sample(logits, plan)
         primary = {
             smp.seq.seq_id: tok
-            for (req, smp, j, _), (tok, _, _) in zip(plan, tokens, strict=True)
+            for (req, smp, j, _, _), (tok, _, _) in zip(plan, tokens, strict=True)
             if j == 0 and req.error is None
         }
         self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
 
-        if not fanned:
-            emit = self._emit_token
-            for (req, smp, _, _), (tok, lp, top) in zip(plan, tokens, strict=True):
+        emit = self._emit_token
+        if straight and len(touched) == len(plan):
+            # One row per request: nothing later in the step touches a request once its row is
+            # emitted, so it is reported in the same pass.
+            report = self._output
+            reports = []
+            for (req, smp, _, _, _), (tok, lp, top) in zip(plan, tokens, strict=True):
                 if req.error is None:
                     try:
                         emit(req, smp, tok, lp, top)
                     except Exception as exc:
                         self._fail(req, exc)
+                reports.append(report(req))
+            return reports
+        if not fanned:
+            for (req, smp, _, _, _), (tok, lp, top) in zip(plan, tokens, strict=True):
+                if req.error is None:
+                    self._isolated(req, emit, req, smp, tok, lp, top)
         else:
-            self._emit_fanned(plan, gens, tokens)
+            self._emit_fanned(plan, tokens)
         for req, seq, i in beam_rows:
             if req.error is None and req.request_id in self.requests:
                 self._isolated(req, self._beam_logits, req, seq, logits[i])
         return [self._output(req) for req in touched.values()]
 
-    def _emit_fanned(
-        self, plan: list[_Row], gens: list[torch.Generator | None], tokens: list[_Sampled]
-    ) -> None:
+    def _emit_fanned(self, plan: list[_Row], tokens: list[_Sampled]) -> None:
         """Per request: fork every new sample before any stop check can finish (and free) its
         parent, then emit the tokens. A request with one row skips the grouping."""
         by_request: dict[str, list[int]] = {}
-        for k, (req, smp, j, _) in enumerate(plan):
+        for k, (req, smp, j, _, _) in enumerate(plan):
             if j == 0 and (k + 1 == len(plan) or plan[k + 1][2] == 0):
                 if req.error is None:
                     tok, lp, top = tokens[k]
@@ -273,9 +283,7 @@ class LLMEngine:
         for ks in by_request.values():
             req = plan[ks[0]][0]
             if req.error is None:
-                self._isolated(
-                    req, self._apply_rows, req, [(plan[k], gens[k], tokens[k]) for k in ks]
-                )
+                self._isolated(req, self._apply_rows, req, [(plan[k], tokens[k]) for k in ks])
 
     def _isolated(self, req: Request, fn: Callable[..., _T], *args: object) -> _T | None:
         """``fn(*args)``, failing only ``req`` (not the batch) if it raises."""
@@ -298,18 +306,15 @@ class LLMEngine:
             raise ValueError(f"{logits.shape[0]} logit rows for {num_rows} sampling rows")
         return list(zip(greedy_tokens(logits).tolist(), repeat(None), repeat(None)))
 
-    def _sample(
-        self, logits: torch.Tensor, plan: list[_Row], gens: list[torch.Generator | None]
-    ) -> list[_Sampled]:
+    def _sample(self, logits: torch.Tensor, plan: list[_Row]) -> list[_Sampled]:
         """(token, its logprob, top logprobs) per planned row, sampled as one batch. If the batch
         raises, each request's rows are sampled alone and only the requests that still raise
         fail (their rows get token 0, never used). A request whose generator advanced in the
         failed batched attempt draws differently in that one step."""
         rows = [
-            SampleRow(req.params, gen, smp.seq.output_token_ids)
-            for (req, smp, _, _), gen in zip(plan, gens, strict=True)
+            SampleRow(req.params, gen, smp.seq.output_token_ids) for req, smp, _, _, gen in plan
         ]
-        live = [k for k, (req, _, _, _) in enumerate(plan) if req.error is None]
+        live = [k for k, (req, _, _, _, _) in enumerate(plan) if req.error is None]
         results: list[_Sampled] = [(0, None, None)] * len(plan)
         if not live:
             return results
@@ -335,15 +340,15 @@ class LLMEngine:
     def _apply_rows(
         self,
         req: Request,
-        rows: list[tuple[_Row, torch.Generator | None, _Sampled]],
+        rows: list[tuple[_Row, _Sampled]],
     ) -> None:
         streams = [
             smp
             if j == 0
             else self.requests.fork(req, smp, f"{req.request_id}/{j}", j, gen, last_token=tok)
-            for (_, smp, j, _), gen, (tok, _, _) in rows
+            for (_, smp, j, _, gen), (tok, _, _) in rows
         ]
-        for stream, (_, _, (tok, lp, top)) in zip(streams, rows, strict=True):
+        for stream, (_, (tok, lp, top)) in zip(streams, rows, strict=True):
             self._emit_token(req, stream, tok, lp, top)
 
     def _fork_generator(self, req: Request, j: int) -> torch.Generator | None:
@@ -403,16 +408,25 @@ class LLMEngine:
         beam_search.advance(self.requests, req, state, self.eos_token_ids)
 
     def _output(self, req: Request) -> RequestOutput:
-        finished = req.finished
-        if finished:
-            self.requests.remove(req)
-        if req.beam is not None:
-            outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
-        elif len(req.samples) == 1:  # nothing to order
-            outputs = [_report(req.samples[0], finished)]
+        """This step's report of ``req`` (removing it from the table once finished). Runs once
+        per request per step: the common case (one sample, no beam, no error) reads its state
+        directly instead of through ``Request.finished``."""
+        samples = req.samples
+        if len(samples) == 1 and req.beam is None and req.error is None and req.params.n == 1:
+            smp = samples[0]
+            finished = smp.output.finish_reason is not None
+            if finished:
+                self.requests.remove(req)
+            outputs = [_report(smp, finished)]
         else:
-            ordered = sorted(req.samples, key=lambda s: s.output.index)
-            outputs = [_report(s, finished) for s in ordered]
+            finished = req.finished
+            if finished:
+                self.requests.remove(req)
+            if req.beam is not None:
+                outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
+            else:
+                ordered = sorted(samples, key=lambda s: s.output.index)
+                outputs = [_report(s, finished) for s in ordered]
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.error
         )

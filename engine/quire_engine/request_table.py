@@ -16,6 +16,7 @@ index. The table drives the scheduler for every change of membership (``add``, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,10 @@ class Request:
     samples: list[Sample] = field(default_factory=list)
     beam: BeamState | None = None
     error: str | None = None  # set by RequestTable.fail
+    # One greedy stream with nothing else to compute (no beam, n == 1, no penalties or
+    # logprobs): its row is the batch argmax. Set once by LLMEngine.add_request (params and
+    # beam never change), read once per step.
+    plain_greedy: bool = False
 
     @property
     def finished(self) -> bool:
@@ -63,7 +68,7 @@ class Request:
         if self.beam is not None:
             return self.beam.done
         samples = self.samples
-        if len(samples) == 1:  # the common case, checked for every request every step
+        if len(samples) == 1:
             return self.params.n == 1 and samples[0].output.finish_reason is not None
         return len(samples) == self.params.n and all(s.output.finished for s in samples)
 
@@ -76,6 +81,9 @@ class RequestTable:
         self._tokenizer = tokenizer
         self._requests: dict[str, Request] = {}
         self._owner: dict[str, tuple[Request, Sample]] = {}
+        # owner(seq_id): the request and sample of a live sequence (KeyError for an unknown id).
+        # The dict's own lookup: the step loop calls it once per sampled sequence.
+        self.owner: Callable[[str], tuple[Request, Sample]] = self._owner.__getitem__
 
     # ---- lookups -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -83,10 +91,6 @@ class RequestTable:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
-
-    def owner(self, seq_id: str) -> tuple[Request, Sample]:
-        """The request and sample of a live sequence (``KeyError`` for an unknown id)."""
-        return self._owner[seq_id]
 
     def ids(self) -> list[str]:
         return list(self._requests)

@@ -50,7 +50,12 @@ def test_fast_path_emits_what_the_tokenizer_path_emits(make: object) -> None:
     rng = random.Random(0)
     size = len(tokenizer)
     text_ids = list(tokenizer(TEXT, add_special_tokens=False).input_ids)
-    cases = [text_ids, [rng.randrange(size + 4) for _ in range(300)]]  # real text, noise
+    # Real text; noise; real tokens shuffled (ASCII pieces right after cut multibyte characters).
+    cases = [
+        text_ids,
+        [rng.randrange(size + 4) for _ in range(300)],
+        [rng.choice(text_ids) for _ in range(300)],
+    ]
     for prompt_len in (0, 3):
         for ids in cases:
             prompt, gen = ids[:prompt_len] or [0], ids[prompt_len:]
