@@ -14,8 +14,10 @@ request and the (rate-limited) preemption warnings.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -36,6 +38,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+# A young collection is tens of microseconds; a full one over an unfrozen heap of torch,
+# transformers and a model is a quarter of a second on a small CPU.
+GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 # A warning per preemption would flood the log exactly when the server is overloaded.
 PREEMPTION_WARNING_INTERVAL_S = 10.0
@@ -360,3 +365,39 @@ class StatsRecorder:
             ttft,
             now - line.arrival,
         )
+
+
+class GcPauses:
+    """Every pause of Python's cyclic garbage collector, by generation, as
+    ``quire_gc_pause_seconds{generation}``.
+
+    A collection runs in whichever thread allocated past the threshold and holds the GIL
+    throughout: a full (generation 2) collection stops the engine thread and every stream for as
+    long as it takes to traverse the heap. ``serve`` freezes the startup heap so that full
+    collections only traverse what serving created; this metric is how an operator sees that it
+    worked (and how a regression would show).
+
+    Process-wide (``gc.callbacks``): the process that serves installs one and ``close``s it. The
+    callback runs inside the collector, so it only reads a clock and observes."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        family = Histogram(
+            "quire_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector (all threads stop), by generation.",
+            ["model_name", "generation"],
+            buckets=GC_PAUSE_BUCKETS,
+            registry=registry,
+        )
+        self._by_generation = [family.labels(model_name, str(g)) for g in range(3)]
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)

@@ -1,8 +1,9 @@
 """``quire-engine bench serve`` with its peers in CI size: it launches a real ``quire-engine
 serve`` and ``transformers serve --continuous-batching`` on loopback (one after the other, the
 same model and KV budget), runs the offline peer, and reports every request completed with the
-exact token counts and the ratios (speed is measured by the benchmark, not asserted here), and
-with ``--profile`` the Quire server's step split read from its ``/metrics``."""
+exact token counts and the ratios (speed is measured by the benchmark, not asserted here), the
+Quire server's garbage-collector pauses and, with ``--profile``, its step split, both read from
+its ``/metrics``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "server_cpu_outside_steps_s" in profile
     if "," in systems:
         assert "profile" not in out["transformers"]  # exports no quire_profile_* counters
+        assert "server_gc_pauses" not in out["transformers"]
+    # The Quire server's collector pauses over the run, read from quire_gc_pause_seconds.
+    pauses = out["quire"]["server_gc_pauses"]
+    assert set(pauses) == {"0", "1", "2"}
+    assert all(set(p) == {"count", "sum_s", "over_50ms"} for p in pauses.values())
+    assert pauses["0"]["count"] > 0  # serving allocates: young collections ran
     assert out["offline"]["total_output_tokens"] == expected
     assert out["ratio_vs_offline"] > 0
     if "," in systems:

@@ -1,15 +1,17 @@
 """``BatchHistogram`` is exposed exactly like ``prometheus_client.Histogram`` fed the same
 observations one by one (bucket counts, ``le`` labels, count; the sum within float rounding),
-including values that sit exactly on a bucket bound (``le`` is inclusive)."""
+including values that sit exactly on a bucket bound (``le`` is inclusive). ``GcPauses`` observes
+each collection in its generation's series and stops observing once closed."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from quire_engine.metrics import ITL_BUCKETS, BatchHistogram
+from quire_engine.metrics import ITL_BUCKETS, BatchHistogram, GcPauses
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
@@ -45,3 +47,31 @@ def test_batch_histogram_matches_the_client_histogram() -> None:
         else:
             assert got[key] == value, key
     assert got[("lat_seconds_count", "")] == len(values)
+
+
+def test_gc_pauses_are_observed_by_generation_until_closed() -> None:
+    registry = CollectorRegistry()
+    pauses = GcPauses(registry, "m")
+
+    def count(generation: str) -> float:
+        value = registry.get_sample_value(
+            "quire_gc_pause_seconds_count", {"model_name": "m", "generation": generation}
+        )
+        assert value is not None
+        return value
+
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+        assert count("0") >= 1 and count("2") >= 2  # more if allocations triggered their own
+        sum_2 = registry.get_sample_value(
+            "quire_gc_pause_seconds_sum", {"model_name": "m", "generation": "2"}
+        )
+        assert sum_2 is not None and sum_2 > 0
+    finally:
+        pauses.close()
+    full = count("2")
+    gc.collect(2)
+    assert count("2") == full
+    pauses.close()  # idempotent

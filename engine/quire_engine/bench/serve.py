@@ -302,6 +302,7 @@ async def _bench(
         rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         profile_start = await _profile_counters(client) if args.profile else None
+        gc_start = await _gc_pauses(client)
         cpu_start = cpu() if cpu is not None else None
         start = time.perf_counter()
         tasks = []
@@ -317,7 +318,13 @@ async def _bench(
         duration = time.perf_counter() - start
         cpu_s = cpu() - cpu_start if cpu is not None and cpu_start is not None else None
         profile_end = await _profile_counters(client) if profile_start is not None else None
+        gc_end = await _gc_pauses(client) if gc_start is not None else None
     report = _report(args, url, model, results, duration)
+    if gc_start is not None and gc_end is not None:
+        report["server_gc_pauses"] = {
+            gen: {k: round(v - gc_start.get(gen, {}).get(k, 0.0), 4) for k, v in stats.items()}
+            for gen, stats in gc_end.items()
+        }
     if cpu_s:
         report["server_cpu_s"] = round(cpu_s, 2)
         report["output_tokens_per_cpu_s"] = round(report["total_output_tokens"] / cpu_s, 2)
@@ -341,6 +348,31 @@ async def _profile_counters(client: httpx2.AsyncClient) -> dict[str, float] | No
                 found[sample.labels["phase"]] = sample.value
             elif sample.name == "quire_profile_steps_total":
                 found["steps"] = sample.value
+    return found or None
+
+
+async def _gc_pauses(client: httpx2.AsyncClient) -> dict[str, dict[str, float]] | None:
+    """The server's garbage-collector pauses so far, by generation (``count``, ``sum_s`` and
+    ``over_50ms``, from ``quire_gc_pause_seconds``), or None when it exports none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = await client.get("/metrics")
+    if response.status_code != 200:
+        return None
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(response.text):
+        if family.name != "quire_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            stats = found.setdefault(sample.labels["generation"], {})
+            if sample.name.endswith("_count"):
+                stats["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                stats["sum_s"] = sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == 0.05:
+                stats["within_50ms"] = sample.value
+    for stats in found.values():
+        stats["over_50ms"] = stats.get("count", 0.0) - stats.pop("within_50ms", 0.0)
     return found or None
 
 
