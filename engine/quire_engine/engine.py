@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from itertools import repeat
+from operator import attrgetter
 from typing import TypeVar
 
 import torch
@@ -46,6 +47,7 @@ from quire_engine.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_seq_id = attrgetter("seq_id")
 _Sampled = tuple[int, float | None, dict[int, float] | None]  # token, its logprob, top logprobs
 
 
@@ -233,15 +235,23 @@ class LLMEngine:
                 argmax_only = argmax_only and req.params.argmax_only
             i += 1
         straight = not fanned and not beam_rows
+        primary: dict[str, int]
         if argmax_only and straight:
-            tokens = self._argmax(logits, len(plan))
+            ids = self._argmax(logits, len(plan))
+            tokens: list[_Sampled] = list(zip(ids, repeat(None), repeat(None)))
+            if len(plan) == len(out.seqs):  # every sequence sampled: row k is out.seqs[k]
+                primary = dict(zip(map(_seq_id, out.seqs), ids, strict=True))
+            else:
+                primary = {
+                    smp.seq.seq_id: tok for (_, smp, _, _, _), tok in zip(plan, ids, strict=True)
+                }
         else:
             tokens = self._sample(logits, plan)
-        primary = {
-            smp.seq.seq_id: tok
-            for (req, smp, j, _, _), (tok, _, _) in zip(plan, tokens, strict=True)
-            if j == 0 and req.error is None
-        }
+            primary = {
+                smp.seq.seq_id: tok
+                for (req, smp, j, _, _), (tok, _, _) in zip(plan, tokens, strict=True)
+                if j == 0 and req.error is None
+            }
         self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
 
         emit = self._emit_token
@@ -299,12 +309,13 @@ class LLMEngine:
         logger.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
         self.requests.fail(req, f"internal error while generating: {type(exc).__name__}: {exc}")
 
-    def _argmax(self, logits: torch.Tensor, num_rows: int) -> list[_Sampled]:
+    def _argmax(self, logits: torch.Tensor, num_rows: int) -> list[int]:
         """Plain greedy rows, plan row k = logits row k: one argmax over the batch. Nothing here
         depends on one request, so a failure is the batch's (it propagates)."""
         if logits.shape[0] != num_rows:
             raise ValueError(f"{logits.shape[0]} logit rows for {num_rows} sampling rows")
-        return list(zip(greedy_tokens(logits).tolist(), repeat(None), repeat(None)))
+        ids: list[int] = greedy_tokens(logits).tolist()
+        return ids
 
     def _sample(self, logits: torch.Tensor, plan: list[_Row]) -> list[_Sampled]:
         """(token, its logprob, top logprobs) per planned row, sampled as one batch. If the batch

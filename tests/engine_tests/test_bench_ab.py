@@ -49,3 +49,23 @@ def test_compares_a_revision_with_this_checkout(capsys: pytest.CaptureFixture[st
     report = json.loads(capsys.readouterr().out)
     entry = report["step_us_p50"]
     assert entry["base"]["runs"] and entry["head"]["runs"] and entry["head_vs_base"] > 0
+
+
+def _load_instructions() -> ModuleType:
+    path = REPO / "benchmarks" / "instructions.py"
+    spec = importlib.util.spec_from_file_location("quire_instructions", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_instruction_counts_are_read_from_cachegrind_and_differenced() -> None:
+    ir = _load_instructions()
+    stderr = "==1== Collected : 12\n==1==\n==1== I   refs:      19,121,222,455\n"
+    assert ir.parse_refs(stderr) == 19_121_222_455
+    with pytest.raises(ValueError, match="I refs"):
+        ir.parse_refs("valgrind: command not found")
+    assert ir.per_step(1_000, 5_000, 100) == 40.0
+    with pytest.raises(ValueError):
+        ir.per_step(5_000, 5_000, 100)  # the longer run must count more
