@@ -33,7 +33,7 @@ def test_freeze_moves_the_loaded_heap_out_of_the_collectors_reach() -> None:
         [sys.executable, "-c", FREEZE], capture_output=True, text=True, timeout=300, check=True
     )
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts["frozen"] >= counts["alive"] > 10_000
+    assert counts["alive"] > 10_000 and counts["frozen"] >= 0.9 * counts["alive"]
     assert counts["left"] < counts["alive"] // 100  # what full collections still traverse
 
 
