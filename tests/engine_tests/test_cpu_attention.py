@@ -1,20 +1,31 @@
 """The CPU attention plan (built once per step, replayed per layer) computes exactly what the
 reference computes, on a ragged batch mixing decode, fresh prefill and prefill after a cached
-prefix, and writes K/V into the same slots."""
+prefix, and writes K/V into the same slots. Both paths cut decode batches with one rule
+(``decode_chunks``), so the check holds with one sequence per chunk too."""
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import pytest
 import torch
 
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
-from quire_engine.kernels.paged_attention import paged_attention_reference
+from quire_engine.kernels.paged_attention import decode_chunks, paged_attention_reference
 from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
+
+# The module, not the function the package re-exports under the same name.
+paged_attention_module = importlib.import_module("quire_engine.kernels.paged_attention")
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_plan_equals_reference(block_size: int) -> None:
+@pytest.mark.parametrize("one_seq_per_chunk", [False, True])
+def test_plan_equals_reference(
+    monkeypatch: pytest.MonkeyPatch, block_size: int, one_seq_per_chunk: bool
+) -> None:
+    if one_seq_per_chunk:
+        monkeypatch.setattr(paged_attention_module, "_DECODE_CHUNK_BYTES", 1)
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, num_blocks = 8, 2, 16, 96
     # (context length after the step, new tokens): decode of ragged lengths, a fresh prompt,
@@ -68,6 +79,20 @@ def test_plan_equals_reference(block_size: int) -> None:
     assert torch.equal(k_plan, k_ref) and torch.equal(v_plan, v_ref)
     got = plan.attend(q, k_plan, v_plan, 0.25)
     assert torch.equal(got, expected)  # same ops on the same data: bit-identical
+    decode_lens = sorted((length for length, n in seqs if n == 1), reverse=True)
+    num_chunks = len(list(decode_chunks(decode_lens, block_size, kv_heads * head_dim * 4)))
+    assert len(plan.decode) == num_chunks
+    if one_seq_per_chunk:
+        assert num_chunks == len(decode_lens)
+
+
+def test_decode_chunks_split_at_half_padding_and_at_the_byte_limit() -> None:
+    # Block 16, 64 bytes a token: contexts 64, 60, 40 share 4 blocks (each > 32); 20 does not.
+    assert list(decode_chunks([64, 60, 40, 20, 18], 16, 64)) == [(0, 3, 4), (3, 5, 2)]
+    # A window of 2 blocks: both gather 2 blocks, and 60 > 16 keeps them together.
+    assert list(decode_chunks([64, 60, 12], 16, 64, window_blocks=2)) == [(0, 2, 2), (2, 3, 1)]
+    # 2 MiB of gathered K per chunk: 4 blocks x 16 tokens x 64 KiB a token is 4 MiB, so one each.
+    assert list(decode_chunks([64, 64], 16, 64 << 10)) == [(0, 1, 4), (1, 2, 4)]
 
 
 def test_lazy_plan_is_built_once() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E) if HAS_TRITON else _LOG2E  # the same, as a kernel constant
 _MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
-_DECODE_CHUNK_BYTES = 2 << 20  # reference: fp32 bytes of gathered K per batched SDPA call
+_DECODE_CHUNK_BYTES = 2 << 20  # both CPU paths (decode_chunks): fp32 bytes of gathered K per batched SDPA call
 
 
 @jit
@@ -561,6 +562,32 @@ def attend_decode(
     return o.reshape(n, heads, head_dim)
 
 
+def decode_chunks(
+    lens: Sequence[int], block_size: int, token_bytes: int, window_blocks: int | None = None
+) -> Iterator[tuple[int, int, int]]:
+    """``(start, end, num_blocks)`` of each batched decode chunk, over context lengths sorted
+    longest first; a chunk gathers ``num_blocks`` blocks per sequence (its longest context's, at
+    most ``window_blocks``). The rule of both CPU paths (the reference and ``CpuAttentionPlan``).
+
+    Chunks keep each gathered K/V near ``_DECODE_CHUNK_BYTES`` (``token_bytes`` per token): it
+    stays in cache, and the allocator recycles it (glibc returns buffers over ~32 MiB to the OS on
+    free, so every call would page-fault a fresh one in: that cost more than the attention
+    itself). A chunk also ends where contexts drop below half its padding, so ragged lengths
+    (the normal case) do not all pay for the longest."""
+    i = 0
+    while i < len(lens):
+        num_blocks = -(-lens[i] // block_size)
+        if window_blocks is not None:
+            num_blocks = min(num_blocks, window_blocks)
+        padded = num_blocks * block_size
+        end = i + 1
+        limit = max(1, _DECODE_CHUNK_BYTES // (padded * token_bytes))
+        while end < len(lens) and end - i < limit and 2 * lens[end] > padded:
+            end += 1
+        yield i, end, num_blocks
+        i = end
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -606,22 +633,11 @@ def paged_attention_reference(
     # context: ragged lengths (the normal case) would otherwise pay for the longest everywhere.
     decode = sorted((s for s, n in enumerate(q_lens) if n == 1), key=lambda s: -lens[s])
     token_bytes = num_kv_heads * head_dim * 4
-    i = 0
-    while i < len(decode):
-        num_blocks = -(-lens[decode[i]] // block_size)
-        if window_blocks is not None:
-            num_blocks = min(num_blocks, window_blocks)
+    for i, end, num_blocks in decode_chunks(
+        [lens[s] for s in decode], block_size, token_bytes, window_blocks
+    ):
         padded = num_blocks * block_size
-        # Chunks keep each gathered K/V near _DECODE_CHUNK_BYTES: it stays in cache, and the
-        # allocator recycles it (glibc returns buffers over ~32 MiB to the OS on free, so every
-        # call would page-fault a fresh one in: that cost more than the attention itself). A
-        # chunk also ends where contexts drop below half its padding.
-        end = i + 1
-        limit = max(1, _DECODE_CHUNK_BYTES // (padded * token_bytes))
-        while end < len(decode) and end - i < limit and 2 * lens[decode[end]] > padded:
-            end += 1
         chunk_seqs = decode[i:end]
-        i = end
         seqs = torch.tensor(chunk_seqs, device=dev)
         rws = torch.tensor([starts[s] for s in chunk_seqs], device=dev)
         # Each sequence's gathered range starts at block `first` (0 without a window):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from quire_engine.kernels.paged_attention import _DECODE_CHUNK_BYTES, attend_decode
+from quire_engine.kernels.paged_attention import attend_decode, decode_chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,19 +101,13 @@ class CpuAttentionPlan:
         rows_all = torch.from_numpy(query_start_loc[:-1][order].astype(np.int64))  # [D]
         tables_all = tables[order_t]  # [D, max_blocks]
         lens_all = torch.from_numpy(seq_lens[order].astype(np.int64))
-        decode_chunks: list[_DecodeChunk] = []
-        i = 0
-        while i < len(sorted_lens):
-            num_blocks = -(-sorted_lens[i] // block_size)
+        chunks: list[_DecodeChunk] = []
+        for i, end, num_blocks in decode_chunks(sorted_lens, block_size, token_bytes):
             padded = num_blocks * block_size
-            end = i + 1
-            limit = max(1, _DECODE_CHUNK_BYTES // (padded * token_bytes))
-            while end < len(sorted_lens) and end - i < limit and 2 * sorted_lens[end] > padded:
-                end += 1
             # Always a mask, even when every key is visible: the reference passes one, and SDPA
             # may take another kernel without it (results equal only to rounding).
             mask = torch.arange(padded) < lens_all[i:end, None]  # [n, padded]
-            decode_chunks.append(
+            chunks.append(
                 _DecodeChunk(
                     rows=rows_all[i:end],
                     blocks=tables_all[i:end, :num_blocks].flatten(),
@@ -122,7 +116,6 @@ class CpuAttentionPlan:
                     mask=mask[:, None, None, :],
                 )
             )
-            i = end
 
         prefill: list[_Prefill] = []
         for s, n in enumerate(q_lens):
@@ -137,7 +130,7 @@ class CpuAttentionPlan:
             prefill.append(
                 _Prefill(starts[s], n, length, tables[s, : -(-length // block_size)], causal)
             )
-        return cls(torch.from_numpy(slots), decode_chunks, prefill, block_size)
+        return cls(torch.from_numpy(slots), chunks, prefill, block_size)
 
     def write_kv(
         self,
