@@ -48,7 +48,7 @@ _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E) if HAS_TRITON else _LOG2E  # the same, as a kernel constant
 _MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
-_DECODE_CHUNK_BYTES = 2 << 20  # both CPU paths (decode_chunks): fp32 bytes of gathered K per batched SDPA call
+_DECODE_CHUNK_BYTES = 2 << 20  # fp32 bytes of gathered K per batched SDPA call (decode_chunks)
 
 
 @jit
