@@ -58,6 +58,14 @@ def export(rev: str, into: Path) -> Path:
     return into / "base"
 
 
+def add_revisions(parser: argparse.ArgumentParser) -> None:
+    """``--base`` (a git revision) and ``--head`` (a checkout), shared with instructions.py."""
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument(
+        "--head", type=Path, default=REPO, help="checkout to measure (default: this)"
+    )
+
+
 def run_once(root: Path, command: list[str]) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(root / "engine"))
     proc = subprocess.run(
@@ -92,10 +100,7 @@ def summarize(runs: list[dict[str, Any]], key_filter: str | None) -> dict[str, d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument(
-        "--head", type=Path, default=REPO, help="checkout to measure (default: this)"
-    )
+    add_revisions(parser)
     parser.add_argument("--runs", type=int, default=6, help="runs per version (alternating)")
     parser.add_argument("--key", default=None, help="report only keys containing this")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command")

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab import REPO, export
+from ab import add_revisions, export
 
 WARM_STEPS = 5
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
@@ -65,10 +65,7 @@ def count(root: Path, running: int, steps: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument(
-        "--head", type=Path, default=REPO, help="checkout to measure (default: this)"
-    )
+    add_revisions(parser)
     parser.add_argument("--running", type=int, default=256, help="running sequences")
     parser.add_argument("--steps", type=int, default=100, help="decode steps counted")
     args = parser.parse_args(argv)

@@ -151,10 +151,10 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         width = self._check_fit(params, beam_width)
         text, ids = self.tokenize(prompt)
-        req = Request(request_id, text, ids, params)
+        beam = None
         if beam_width is not None:
-            req.beam = beam_search.BeamState(beam_width, ignore_eos=params.ignore_eos)
-        req.plain_greedy = req.beam is None and params.n == 1 and params.argmax_only
+            beam = beam_search.BeamState(beam_width, ignore_eos=params.ignore_eos)
+        req = Request(request_id, text, ids, params, beam=beam)
         seq = Sequence(
             f"{request_id}/0",
             ids,
@@ -235,18 +235,15 @@ class LLMEngine:
                 argmax_only = argmax_only and req.params.argmax_only
             i += 1
         straight = not fanned and not beam_rows
-        primary: dict[str, int]
+        ids: list[int] | None = None
         if argmax_only and straight:
             ids = self._argmax(logits, len(plan))
             tokens: list[_Sampled] = list(zip(ids, repeat(None), repeat(None)))
-            if len(plan) == len(out.seqs):  # every sequence sampled: row k is out.seqs[k]
-                primary = dict(zip(map(_seq_id, out.seqs), ids, strict=True))
-            else:
-                primary = {
-                    smp.seq.seq_id: tok for (_, smp, _, _, _), tok in zip(plan, ids, strict=True)
-                }
         else:
             tokens = self._sample(logits, plan)
+        if ids is not None and len(plan) == len(out.seqs):  # row k is out.seqs[k]
+            primary = dict(zip(map(_seq_id, out.seqs), ids, strict=True))
+        else:
             primary = {
                 smp.seq.seq_id: tok
                 for (req, smp, j, _, _), (tok, _, _) in zip(plan, tokens, strict=True)
@@ -254,11 +251,13 @@ class LLMEngine:
             }
         self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
 
-        emit = self._emit_token
-        if straight and len(touched) == len(plan):
+        if fanned:
+            self._emit_fanned(plan, tokens)
+        else:
             # One row per request: nothing later in the step touches a request once its row is
             # emitted, so it is reported in the same pass.
-            report = self._output
+            one_pass = straight and len(touched) == len(plan)
+            emit, report = self._emit_token, self._output
             reports = []
             for (req, smp, _, _, _), (tok, lp, top) in zip(plan, tokens, strict=True):
                 if req.error is None:
@@ -266,14 +265,10 @@ class LLMEngine:
                         emit(req, smp, tok, lp, top)
                     except Exception as exc:
                         self._fail(req, exc)
-                reports.append(report(req))
-            return reports
-        if not fanned:
-            for (req, smp, _, _, _), (tok, lp, top) in zip(plan, tokens, strict=True):
-                if req.error is None:
-                    self._isolated(req, emit, req, smp, tok, lp, top)
-        else:
-            self._emit_fanned(plan, tokens)
+                if one_pass:
+                    reports.append(report(req))
+            if one_pass:
+                return reports
         for req, seq, i in beam_rows:
             if req.error is None and req.request_id in self.requests:
                 self._isolated(req, self._beam_logits, req, seq, logits[i])

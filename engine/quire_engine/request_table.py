@@ -57,9 +57,12 @@ class Request:
     beam: BeamState | None = None
     error: str | None = None  # set by RequestTable.fail
     # One greedy stream with nothing else to compute (no beam, n == 1, no penalties or
-    # logprobs): its row is the batch argmax. Set once by LLMEngine.add_request (params and
-    # beam never change), read once per step.
-    plain_greedy: bool = False
+    # logprobs): its row is the batch argmax. Derived once here (params and beam never
+    # change) because the step loop reads it for every row.
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain_greedy = self.beam is None and self.params.n == 1 and self.params.argmax_only
 
     @property
     def finished(self) -> bool:

@@ -15,8 +15,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("quire_ab", REPO / "benchmarks" / "ab.py")
+def _load(name: str = "ab") -> ModuleType:
+    """A script of ``benchmarks/`` as a module (they import each other by file name)."""
+    path = REPO / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"quire_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -51,17 +53,8 @@ def test_compares_a_revision_with_this_checkout(capsys: pytest.CaptureFixture[st
     assert entry["base"]["runs"] and entry["head"]["runs"] and entry["head_vs_base"] > 0
 
 
-def _load_instructions() -> ModuleType:
-    path = REPO / "benchmarks" / "instructions.py"
-    spec = importlib.util.spec_from_file_location("quire_instructions", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_instruction_counts_are_read_from_cachegrind_and_differenced() -> None:
-    ir = _load_instructions()
+    ir = _load("instructions")
     stderr = "==1== Collected : 12\n==1==\n==1== I   refs:      19,121,222,455\n"
     assert ir.parse_refs(stderr) == 19_121_222_455
     with pytest.raises(ValueError, match="I refs"):

@@ -41,12 +41,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 
 from quire_engine.bench import servers
 from quire_engine.bench.workload import RequestLengths, random_tokens, sharegpt_like
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 MAX_ERRORS_REPORTED = 5
 
@@ -301,8 +304,9 @@ async def _bench(
             await _request(client, model, workload.prompts[0], warm, None, workload.ignore_eos)
         rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        profile_start = await _profile_counters(client) if args.profile else None
-        gc_start = await _gc_pauses(client)
+        scraped = await _scrape(client)
+        profile_start = _profile_counters(scraped) if args.profile else None
+        gc_start = _gc_pauses(scraped)
         cpu_start = cpu() if cpu is not None else None
         start = time.perf_counter()
         tasks = []
@@ -317,8 +321,9 @@ async def _bench(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         cpu_s = cpu() - cpu_start if cpu is not None and cpu_start is not None else None
-        profile_end = await _profile_counters(client) if profile_start is not None else None
-        gc_end = await _gc_pauses(client) if gc_start is not None else None
+        scraped = await _scrape(client) if scraped else []
+        profile_end = _profile_counters(scraped) if profile_start is not None else None
+        gc_end = _gc_pauses(scraped) if gc_start is not None else None
     report = _report(args, url, model, results, duration)
     if gc_start is not None and gc_end is not None:
         report["server_gc_pauses"] = {
@@ -333,16 +338,21 @@ async def _bench(
     return report
 
 
-async def _profile_counters(client: httpx2.AsyncClient) -> dict[str, float] | None:
-    """``quire_profile_*`` counters from ``/metrics`` (phase -> CPU seconds, plus "steps"), or
-    None when the server exports none (not Quire, or not started with ``--profile``)."""
+async def _scrape(client: httpx2.AsyncClient) -> list[Metric]:
+    """The server's ``/metrics``, parsed; empty when it has none (not a Quire server)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     response = await client.get("/metrics")
     if response.status_code != 200:
-        return None
+        return []
+    return list(text_string_to_metric_families(response.text))
+
+
+def _profile_counters(families: list[Metric]) -> dict[str, float] | None:
+    """``quire_profile_*`` counters (phase -> CPU seconds, plus "steps"), or None when the server
+    exports none (not Quire, or not started with ``--profile``)."""
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in families:
         for sample in family.samples:
             if sample.name == "quire_profile_step_cpu_seconds_total":
                 found[sample.labels["phase"]] = sample.value
@@ -351,16 +361,11 @@ async def _profile_counters(client: httpx2.AsyncClient) -> dict[str, float] | No
     return found or None
 
 
-async def _gc_pauses(client: httpx2.AsyncClient) -> dict[str, dict[str, float]] | None:
+def _gc_pauses(families: list[Metric]) -> dict[str, dict[str, float]] | None:
     """The server's garbage-collector pauses so far, by generation (``count``, ``sum_s`` and
     ``over_50ms``, from ``quire_gc_pause_seconds``), or None when it exports none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = await client.get("/metrics")
-    if response.status_code != 200:
-        return None
     found: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in families:
         if family.name != "quire_gc_pause_seconds":
             continue
         for sample in family.samples:
