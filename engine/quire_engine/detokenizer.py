@@ -30,13 +30,17 @@ _CHECK_SEQUENCES = 64
 
 class ByteTable:
     """Bytes of every token id as ``decode(..., skip_special_tokens=True)`` sees them (``b""``
-    for special and unknown ids). Immutable once built; shared by every detokenizer of one
-    tokenizer."""
+    for special and unknown ids), and the text of each id whose bytes are non-empty ASCII
+    (``ascii_text``, None for the others). Immutable once built; shared by every detokenizer of
+    one tokenizer."""
 
-    __slots__ = ("token_bytes",)
+    __slots__ = ("ascii_text", "token_bytes")
 
     def __init__(self, token_bytes: list[bytes]) -> None:
         self.token_bytes = token_bytes
+        self.ascii_text: list[str | None] = [
+            b.decode("ascii") if b and b.isascii() else None for b in token_bytes
+        ]
 
     def bytes_of(self, token_id: int) -> bytes:
         table = self.token_bytes
@@ -129,42 +133,40 @@ class Detokenizer:
         self.token_ids = context
         self.prefix_offset = 0
         self.read_offset = len(context)
-        # Fast path state: the bytes of the prefix window, the length of its text, and the
-        # bytes of the tokens not yet made final.
+        # Fast path state: the bytes of the prefix window and of the tokens not yet made final.
         self._prefix_bytes = b""
-        self._prefix_len = 0
         self._pending = b""
         if self.table is not None:
             self._prefix_bytes = self.table.join(context)
-            self._prefix_len = len(self._prefix_bytes.decode("utf-8", "replace"))
 
     def _decode(self, ids: list[int]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return text if isinstance(text, str) else "".join(text)
 
     def add(self, token_id: int) -> str:
-        """Append one generated token; returns the text it made final (possibly "")."""
+        """Append one generated token (a logits column: ``>= 0``); returns the text it made
+        final (possibly "")."""
         table = self.table
         if table is not None:  # once per sequence per step
-            pieces = table.token_bytes  # bytes_of, inlined: this runs for every token
-            piece = pieces[token_id] if 0 <= token_id < len(pieces) else b""
-            if piece and piece.isascii() and not self._pending:
+            texts = table.ascii_text
+            # A logits column past the tokenizer's vocabulary decodes to nothing (as bytes_of).
+            in_table = token_id < len(texts)
+            if in_table and not self._pending and (new := texts[token_id]) is not None:
                 # The common case, without decoding the window: ASCII bytes never complete or
                 # extend a character, so decode(prefix + piece) == decode(prefix) + piece (an
                 # incomplete character at the prefix's end is replaced alike either way).
-                new = piece.decode("ascii")
-                self._prefix_bytes, self._prefix_len = piece, len(new)
+                self._prefix_bytes = table.token_bytes[token_id]
                 self.text += new
                 return new
-            pending = self._pending + piece
-            full = (self._prefix_bytes + pending).decode("utf-8", "replace")
-            prefix_len = self._prefix_len
+            pending = self._pending + (table.token_bytes[token_id] if in_table else b"")
+            window = self._prefix_bytes
+            full = (window + pending).decode("utf-8", "replace")
+            prefix_len = len(window) if window.isascii() else len(window.decode("utf-8", "replace"))
             if len(full) <= prefix_len or full.endswith("\ufffd"):
                 self._pending = pending
                 return ""
             new = full[prefix_len:]
             self._prefix_bytes, self._pending = pending, b""
-            self._prefix_len = len(pending.decode("utf-8", "replace"))
             self.text += new
             return new
         self.token_ids.append(token_id)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter
 from typing import TypeVar
 
@@ -41,13 +41,13 @@ from quire_engine.outputs import CompletionOutput, Prefix, RequestOutput
 from quire_engine.request_table import Request, RequestTable, Sample
 from quire_engine.sampler import SampleResult, SampleRow, greedy_tokens, sample
 from quire_engine.sampling_params import SamplingParams
-from quire_engine.scheduler import Scheduler
+from quire_engine.scheduler import Scheduler, SchedulerOutput
 from quire_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_seq_id = attrgetter("seq_id")
+_index = attrgetter("index")
 _Sampled = tuple[int, float | None, dict[int, float] | None]  # token, its logprob, top logprobs
 
 
@@ -154,7 +154,10 @@ class LLMEngine:
         beam = None
         if beam_width is not None:
             beam = beam_search.BeamState(beam_width, ignore_eos=params.ignore_eos)
-        req = Request(request_id, text, ids, params, beam=beam)
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        req = Request(request_id, text, ids, params, beam=beam, stop_ids=stop_ids)
         seq = Sequence(
             f"{request_id}/0",
             ids,
@@ -204,22 +207,22 @@ class LLMEngine:
         if out.is_empty:
             return []
         logits = self.runner.execute(out)  # [num_sampling_seqs, vocab]
+        if self.requests.all_plain_greedy:
+            return self._step_plain_greedy(out, logits)
 
         owner = self.requests.owner
         touched: dict[str, Request] = {}
         plan: list[_Row] = []
         beam_rows: list[tuple[Request, Sequence, int]] = []
         fanned = False  # some request forks samples this step (n > 1, first token)
-        argmax_only = True  # every row plain greedy: the sampler's single argmax serves them
+        argmax_only = True  # every row argmax-only: the sampler's single argmax serves them
         i = 0
         for seq, samples in zip(out.seqs, out.samples, strict=True):
             if not samples:
                 continue
             req, smp = owner(seq.seq_id)
             touched[req.request_id] = req
-            if req.plain_greedy:  # the common case
-                plan.append((req, smp, 0, i, smp.generator))
-            elif req.beam is not None:
+            if req.beam is not None:
                 beam_rows.append((req, seq, i))
             elif req.params.n > 1 and len(req.samples) == 1 and not seq.output_token_ids:
                 fanned = True
@@ -235,20 +238,16 @@ class LLMEngine:
                 argmax_only = argmax_only and req.params.argmax_only
             i += 1
         straight = not fanned and not beam_rows
-        ids: list[int] | None = None
         if argmax_only and straight:
             ids = self._argmax(logits, len(plan))
             tokens: list[_Sampled] = list(zip(ids, repeat(None), repeat(None)))
         else:
             tokens = self._sample(logits, plan)
-        if ids is not None and len(plan) == len(out.seqs):  # row k is out.seqs[k]
-            primary = dict(zip(map(_seq_id, out.seqs), ids, strict=True))
-        else:
-            primary = {
-                smp.seq.seq_id: tok
-                for (req, smp, j, _, _), (tok, _, _) in zip(plan, tokens, strict=True)
-                if j == 0 and req.error is None
-            }
+        primary = {
+            smp.seq.seq_id: tok
+            for (req, smp, j, _, _), (tok, _, _) in zip(plan, tokens, strict=True)
+            if j == 0 and req.error is None
+        }
         self.scheduler.update(out, primary)  # a failed request's sequences are finished: skipped
 
         if fanned:
@@ -273,6 +272,30 @@ class LLMEngine:
             if req.error is None and req.request_id in self.requests:
                 self._isolated(req, self._beam_logits, req, seq, logits[i])
         return [self._output(req) for req in touched.values()]
+
+    def _step_plain_greedy(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """The rest of a step in which every live request is one plain greedy stream (the common
+        serving case, and where per-sequence costs add up): one argmax for the batch, no
+        sampling plan, and each request is emitted and reported in one pass."""
+        flags = out.samples
+        seqs = out.seqs if all(flags) else list(compress(out.seqs, flags))
+        ids = self._argmax(logits, len(seqs)) if seqs else []
+        if len(seqs) == len(out.seqs):
+            tokens: list[int | None] = ids  # type: ignore[assignment]  # invariance of list
+        else:  # some sequences only computed a prefill chunk
+            chosen = iter(ids)
+            tokens = [next(chosen) if f else None for f in flags]
+        self.scheduler.advance(out, tokens)
+        owner, emit, report = self.requests.owner, self._emit_token, self._output
+        reports = []
+        for seq, tok in zip(seqs, ids, strict=True):
+            req, smp = owner(seq.seq_id)
+            try:
+                emit(req, smp, tok, None, None)
+            except Exception as exc:
+                self._fail(req, exc)
+            reports.append(report(req))
+        return reports
 
     def _emit_fanned(self, plan: list[_Row], tokens: list[_Sampled]) -> None:
         """Per request: fork every new sample before any stop check can finish (and free) its
@@ -376,34 +399,39 @@ class LLMEngine:
         logprob: float | None,
         top: dict[int, float] | None,
     ) -> None:
-        out = smp.output
-        params = req.params
         smp.tokens.append(token)
-        if logprob is not None and out.cumulative_logprob is not None:
-            out.cumulative_logprob += logprob
-        if smp.logprobs is not None and top is not None:
+        if logprob is not None and smp.cumulative_logprob is not None:
+            smp.cumulative_logprob += logprob
+        if top is not None and smp.logprobs is not None:
             smp.logprobs.append(top)
-        detok = smp.detok
-        new_text = detok.add(token)
-        reason: str | None = None
+        new_text = smp.detok.add(token)
+        if (token in req.stop_ids or req.params.stop) and self._stopped(
+            req, smp, token, len(new_text)
+        ):
+            return
+        if smp.seq.status is SequenceStatus.FINISHED:
+            smp.finish_reason = smp.seq.finish_reason
+
+    def _stopped(self, req: Request, smp: Sample, token: int, new_len: int) -> bool:
+        """Finish ``smp`` if ``token`` (whose text added ``new_len`` characters) stops it: an EOS
+        id (unless ``ignore_eos``), a stop token id, or a stop string (cut from the text)."""
+        params = req.params
         stop_reason: str | int | None = None
         if token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif params.stop:
-            hit = find_stop(detok.text, len(new_text), params.stop)
-            if hit is not None:
-                idx, stop = hit
-                end = idx + len(stop) if params.include_stop_str_in_output else idx
-                detok.text = detok.text[:end]
-                reason, stop_reason = "stop", stop
-        out.text = detok.text
-        if reason is not None:
-            self.scheduler.finish(smp.seq, reason)
-            out.finish_reason, out.stop_reason = reason, stop_reason
-        elif smp.seq.status is SequenceStatus.FINISHED:
-            out.finish_reason = smp.seq.finish_reason
+            stop_reason = None  # EOS: no stop_reason (vLLM's convention)
+        elif token in params.stop_token_ids:
+            stop_reason = token
+        else:
+            detok = smp.detok
+            hit = find_stop(detok.text, new_len, params.stop)
+            if hit is None:
+                return False
+            idx, stop_reason = hit
+            end = idx + len(stop_reason) if params.include_stop_str_in_output else idx
+            detok.text = detok.text[:end]
+        self.scheduler.finish(smp.seq, "stop")
+        smp.finish_reason, smp.stop_reason = "stop", stop_reason
+        return True
 
     def _beam_logits(self, req: Request, seq: Sequence, logits: torch.Tensor) -> None:
         state = req.beam
@@ -415,24 +443,23 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         """This step's report of ``req`` (removing it from the table once finished). Runs once
-        per request per step: the common case (one sample, no beam, no error) reads its state
-        directly instead of through ``Request.finished``."""
-        samples = req.samples
-        if len(samples) == 1 and req.beam is None and req.error is None and req.params.n == 1:
-            smp = samples[0]
-            finished = smp.output.finish_reason is not None
+        per request per step: a single stream without error reads its sample directly instead
+        of through ``Request.finished``."""
+        if req.single and req.error is None:
+            smp = req.samples[0]
+            finished = smp.finish_reason is not None
             if finished:
                 self.requests.remove(req)
-            outputs = [_report(smp, finished)]
+            return RequestOutput(
+                req.request_id, req.prompt, req.prompt_token_ids, [_report(smp, finished)], finished
+            )
+        finished = req.finished
+        if finished:
+            self.requests.remove(req)
+        if req.beam is not None:
+            outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
         else:
-            finished = req.finished
-            if finished:
-                self.requests.remove(req)
-            if req.beam is not None:
-                outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
-            else:
-                ordered = sorted(samples, key=lambda s: s.output.index)
-                outputs = [_report(s, finished) for s in ordered]
+            outputs = [_report(s, finished) for s in sorted(req.samples, key=_index)]
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.error
         )
@@ -457,7 +484,7 @@ def _report(smp: Sample, finished: bool) -> CompletionOutput:
     """A snapshot of a sample's output for this step's report. Unfinished, its token and
     logprob lists are ``Prefix`` views (constant time; the engine keeps appending to the lists);
     finished, plain copies (the lists never change again, and callers get lists)."""
-    out, tokens, lps = smp.output, smp.tokens, smp.logprobs
+    tokens, lps = smp.tokens, smp.logprobs
     if finished:
         token_ids: Sequence_[int] = tokens[:]
         logprobs: Sequence_[dict[int, float]] | None = lps[:] if lps is not None else None
@@ -465,11 +492,11 @@ def _report(smp: Sample, finished: bool) -> CompletionOutput:
         token_ids = Prefix(tokens, len(tokens))
         logprobs = Prefix(lps, len(lps)) if lps is not None else None
     return CompletionOutput(  # positional: this runs once per sequence per step
-        out.index,
-        out.text,
+        smp.index,
+        smp.detok.text,
         token_ids,
-        out.cumulative_logprob,
+        smp.cumulative_logprob,
         logprobs,
-        out.finish_reason,
-        out.stop_reason,
+        smp.finish_reason,
+        smp.stop_reason,
     )

@@ -113,8 +113,8 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) ->
 
 
 def hash_block_bytes(parent: bytes | None, token_bytes: memoryview, extra: str | None) -> bytes:
-    """``hash_block`` over the block's token ids already laid out as int64 bytes (a slice of
-    ``Sequence.token_array``): one sha256 call, no per-token conversion."""
+    """``hash_block`` over the block's token ids already laid out as int64 bytes: one sha256
+    call, no per-token conversion."""
     data = (parent or b"") + token_bytes
     if extra is not None:
         data += b"\x00salt\x00" + extra.encode()
@@ -190,15 +190,20 @@ class KVCacheManager:
         such tokens are final: a sampled token is replaced (a fork taking another candidate) only
         before it is first scheduled."""
         hashes = seq.block_hashes
-        if len(hashes) >= num_blocks:
+        done = len(hashes)
+        if done >= num_blocks:
             return hashes
-        step = self.block_size * seq.token_array.itemsize
-        data = memoryview(seq.token_array).cast("B")  # [num_tokens * 8] bytes
-        for i in range(len(hashes), num_blocks):
+        bs = self.block_size
+        # The blocks' token ids as int64 machine words, converted in one call for all of them:
+        # each block's bytes are then one slice, not a per-token conversion.
+        words = array("q", seq.token_ids[done * bs : num_blocks * bs])
+        data = memoryview(words).cast("B")  # [(num_blocks - done) * bs * 8] bytes
+        step = bs * words.itemsize
+        for i in range(done, num_blocks):
             parent = hashes[i - 1] if i else None
             salt = None if i else seq.cache_salt
-            hashes.append(hash_block_bytes(parent, data[i * step : (i + 1) * step], salt))
-        data.release()  # a live view would forbid token_array from growing
+            k = i - done
+            hashes.append(hash_block_bytes(parent, data[k * step : (k + 1) * step], salt))
         return hashes
 
     # ---- allocation ----------------------------------------------------------------------

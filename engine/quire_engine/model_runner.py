@@ -17,6 +17,7 @@ import itertools
 import logging
 from array import array
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -164,20 +165,24 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
     Python lists), everything else in numpy, so a step of hundreds of decode sequences costs
     tens of microseconds here rather than one slice and one row copy per sequence."""
     num_seqs = len(out.seqs)
-    counts = np.fromiter(out.num_new_tokens, dtype=np.int64, count=num_seqs)
     starts = np.fromiter(out.start_positions, dtype=np.int64, count=num_seqs)
-    num_tokens = int(counts.sum())
-    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(counts, out=qsl[1:])
-    if num_tokens == num_seqs:  # pure decode: one token per sequence, at its start position
+    decode = all(out.samples) and sum(out.num_new_tokens) == num_seqs
+    if decode:
+        # Pure decode: one token per sequence, its last known one (it samples, so the step ends
+        # there), at its start position. Read through C-level getters: no Python frame per row.
+        num_tokens = num_seqs
+        counts = np.ones(num_seqs, dtype=np.int64)
+        qsl = np.arange(num_seqs + 1, dtype=np.int64)
         positions = starts
-        seq_index = np.arange(num_seqs)
+        seq_index = qsl[:-1]
         input_ids = np.fromiter(
-            (seq.token_ids[s] for seq, s in zip(out.seqs, out.start_positions, strict=True)),
-            dtype=np.int64,
-            count=num_tokens,
+            map(_last, map(_token_ids, out.seqs)), dtype=np.int64, count=num_tokens
         )
     else:
+        counts = np.fromiter(out.num_new_tokens, dtype=np.int64, count=num_seqs)
+        num_tokens = int(counts.sum())
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
         # Positions of every new token: start of its sequence + offset within the step.
         seq_index = np.repeat(np.arange(num_seqs), counts)
         positions = starts[seq_index] + (np.arange(num_tokens) - qsl[:-1][seq_index])
@@ -192,10 +197,17 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
     tables = _pad_tables(out.block_tables)  # [num_seqs, max_blocks]
     bs = out.block_size
     slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    sample_rows = (qsl[1:] - 1)[np.fromiter(out.samples, dtype=bool, count=num_seqs)]
+    if decode:
+        sample_rows = seq_index  # every sequence samples its only token
+    else:
+        sample_rows = (qsl[1:] - 1)[np.fromiter(out.samples, dtype=bool, count=num_seqs)]
     return StepInputs(
         counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows
     )
+
+
+_token_ids = attrgetter("token_ids")
+_last = itemgetter(-1)
 
 
 def _pad_tables(tables: list[array[int]]) -> np.ndarray:

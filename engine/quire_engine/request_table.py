@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from quire_engine.detokenizer import Detokenizer
-from quire_engine.outputs import CompletionOutput
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.scheduler import Scheduler
 from quire_engine.sequence import Sequence
@@ -36,15 +35,23 @@ if TYPE_CHECKING:
 class Sample:
     """One output stream of a request: its sequence, RNG, detokenizer and output so far.
 
-    ``tokens`` and ``logprobs`` are the very lists held by ``output`` (typed there as read-only
-    sequences): the engine appends to them, and reports hand out ``Prefix`` views of them."""
+    This is the engine's live state of the stream; reports are snapshots of it (``engine``'s
+    ``_report``). ``tokens`` and ``logprobs`` are only ever appended to, so reports hand out
+    ``Prefix`` views of them; the text so far is ``detok.text``."""
 
     seq: Sequence
     generator: torch.Generator | None
     detok: Detokenizer
-    output: CompletionOutput
+    index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -56,13 +63,18 @@ class Request:
     samples: list[Sample] = field(default_factory=list)
     beam: BeamState | None = None
     error: str | None = None  # set by RequestTable.fail
-    # One greedy stream with nothing else to compute (no beam, n == 1, no penalties or
-    # logprobs): its row is the batch argmax. Derived once here (params and beam never
-    # change) because the step loop reads it for every row.
+    # Token ids that end a sample when generated: the model's EOS ids (unless ``ignore_eos``)
+    # and ``stop_token_ids``. Given by the engine, which knows the EOS ids.
+    stop_ids: frozenset[int] = frozenset()
+    # Derived once here (params and beam never change) because the step reads them for every
+    # row: ``single``, one sample stream and no beam; ``plain_greedy``, a single greedy stream
+    # with nothing else to compute (no penalties or logprobs): its row is the batch argmax.
+    single: bool = field(init=False)
     plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.plain_greedy = self.beam is None and self.params.n == 1 and self.params.argmax_only
+        self.single = self.beam is None and self.params.n == 1
+        self.plain_greedy = self.single and self.params.argmax_only
 
     @property
     def finished(self) -> bool:
@@ -72,8 +84,8 @@ class Request:
             return self.beam.done
         samples = self.samples
         if len(samples) == 1:
-            return self.params.n == 1 and samples[0].output.finish_reason is not None
-        return len(samples) == self.params.n and all(s.output.finished for s in samples)
+            return self.params.n == 1 and samples[0].finish_reason is not None
+        return len(samples) == self.params.n and all(s.finished for s in samples)
 
 
 class RequestTable:
@@ -84,6 +96,7 @@ class RequestTable:
         self._tokenizer = tokenizer
         self._requests: dict[str, Request] = {}
         self._owner: dict[str, tuple[Request, Sample]] = {}
+        self._num_not_plain = 0  # live requests that are not plain greedy
         # owner(seq_id): the request and sample of a live sequence (KeyError for an unknown id).
         # The dict's own lookup: the step loop calls it once per sampled sequence.
         self.owner: Callable[[str], tuple[Request, Sample]] = self._owner.__getitem__
@@ -98,6 +111,11 @@ class RequestTable:
     def ids(self) -> list[str]:
         return list(self._requests)
 
+    @property
+    def all_plain_greedy(self) -> bool:
+        """Every live request is one plain greedy stream (``Request.plain_greedy``)."""
+        return not self._num_not_plain
+
     # ---- membership ----------------------------------------------------------------------
     def add(self, request: Request, first: Sample) -> None:
         """Queue ``request`` with its first sample; ``ValueError`` and no change if it cannot be
@@ -108,6 +126,7 @@ class RequestTable:
             raise ValueError("a new request has no samples yet")
         self.scheduler.add(first.seq)  # validates length and pool fit; raises before mutating
         self._requests[request.request_id] = request
+        self._num_not_plain += not request.plain_greedy
         self._register(request, first)
 
     def new_sample(
@@ -115,16 +134,15 @@ class RequestTable:
     ) -> Sample:
         """A sample object for ``seq`` (not registered); its output starts empty."""
         want_lp = request.params.logprobs is not None
-        tokens: list[int] = []
-        logprobs: list[dict[int, float]] | None = [] if want_lp else None
-        out = CompletionOutput(
-            index=index,
-            token_ids=tokens,
-            cumulative_logprob=0.0 if want_lp or request.beam is not None else None,
-            logprobs=logprobs,
-        )
         detok = Detokenizer(self._tokenizer, request.prompt_token_ids)
-        return Sample(seq, generator, detok, out, tokens, logprobs)
+        return Sample(
+            seq,
+            generator,
+            detok,
+            index,
+            logprobs=[] if want_lp else None,
+            cumulative_logprob=0.0 if want_lp or request.beam is not None else None,
+        )
 
     def fork(
         self,
@@ -174,7 +192,8 @@ class RequestTable:
 
     def remove(self, request: Request) -> None:
         """Forget a finished request and its samples (their sequences are already finished)."""
-        self._requests.pop(request.request_id, None)
+        if self._requests.pop(request.request_id, None) is not None:
+            self._num_not_plain -= not request.plain_greedy
         for s in request.samples:
             self._owner.pop(s.seq.seq_id, None)
 
@@ -185,5 +204,5 @@ class RequestTable:
     def _end(self, request: Request) -> None:
         for s in request.samples:
             self.scheduler.finish(s.seq, "abort")  # idempotent; returns the blocks
-            if s.output.finish_reason is None:
-                s.output.finish_reason = "abort"
+            if s.finish_reason is None:
+                s.finish_reason = "abort"

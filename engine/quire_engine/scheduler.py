@@ -24,6 +24,7 @@ import bisect
 from array import array
 from collections import deque
 from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from quire_engine.config import CacheConfig, PreemptionMode, SchedulerConfig
@@ -100,6 +101,7 @@ class Scheduler:
                 f"{self.cache_config.num_blocks}; lower max_tokens or raise the KV cache size"
             )
         seq.status = SequenceStatus.WAITING
+        seq.token_limit = min(seq.token_limit, max_len)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -114,6 +116,7 @@ class Scheduler:
         if child.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {child.seq_id!r}")
         self.seqs[child.seq_id] = child
+        child.token_limit = min(child.token_limit, self.config.max_model_len)
         if parent.reserved_seqs > 1:  # the child takes a slot its parent reserved for it
             parent.reserved_seqs -= 1
         if parent.status is SequenceStatus.RUNNING:
@@ -157,19 +160,21 @@ class Scheduler:
         kv = self.kv
         running = self.running
         # The decode loop below is the hot path of every step (hundreds of sequences): the output
-        # lists are appended inline rather than through _emit.
+        # lists are appended inline rather than through _emit. Preemption pops the newest
+        # sequences off the tail of ``running`` while it is iterated: a list iterator stops at
+        # the current length, so the victims are never visited (nor is anything after a
+        # sequence that preempted itself).
         seqs, counts, starts = out.seqs, out.num_new_tokens, out.start_positions
         tables, samples = out.block_tables, out.samples
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        for seq in running:
+            if budget <= 0:
+                break
             start = seq.num_computed_tokens
             known = len(seq.token_ids)
             n = known - start
             if n > budget:
                 n = budget
             elif n == 0:  # waiting for the engine (e.g. a parent about to be forked)
-                i += 1
                 continue
             while (ids := kv.allocate_slots(seq, n)) is None:
                 victim = running.pop()
@@ -183,7 +188,6 @@ class Scheduler:
                 tables.append(ids)
                 samples.append(start + n == known)
                 budget -= n
-                i += 1
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
 
         if not out.preempted:
@@ -264,34 +268,41 @@ class Scheduler:
         return self.config.max_num_seqs - sum(s.reserved_seqs for s in self.running)
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
+        """``advance`` with the sampled tokens given by sequence id (absent: none)."""
+        get = sampled.get
+        return self.advance(out, [get(seq.seq_id) for seq in out.seqs])
+
+    def advance(self, out: SchedulerOutput, tokens: Sequence_[int | None]) -> list[Sequence]:
         """Apply a finished step: advance progress and append sampled tokens.
 
-        Returns the sequences that reached ``max_tokens`` or ``max_model_len`` (finished with
-        reason "length"). Sequences aborted while the step ran are skipped.
+        ``tokens[k]`` is the token chosen for ``out.seqs[k]`` (None: nothing to append, e.g. a
+        prefill chunk that samples nothing). Returns the sequences that reached ``max_tokens``
+        or ``max_model_len`` (finished with reason "length"). Sequences aborted while the step
+        ran are skipped.
         """
         finished = []
         kv = self.kv
         windowed = kv.sliding_window is not None
-        get = sampled.get
         running = SequenceStatus.RUNNING
-        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):  # hot: locals only
+        # Hot (once per sequence per step): locals only, Scheduler.append inlined.
+        for seq, n, token in zip(out.seqs, out.num_new_tokens, tokens, strict=True):
             if seq.status is not running:
                 continue
             seq.num_computed_tokens += n
             if windowed:  # blocks no future query can see
                 kv.release_out_of_window(seq)
-            token = get(seq.seq_id)
-            if token is not None and self.append(seq, token):
-                finished.append(seq)
+            if token is not None:
+                seq.append_token(token)
+                if len(seq.token_ids) >= seq.token_limit:
+                    self.finish(seq, "length")
+                    finished.append(seq)
         return finished
 
     def append(self, seq: Sequence, token: int) -> bool:
         """Append a chosen token to a running sequence whose tokens are all computed; finishes it
         (reason "length", returns True) at ``max_tokens`` or ``max_model_len``."""
         seq.append_token(token)
-        if len(seq.output_token_ids) >= seq.max_tokens or (
-            len(seq.token_ids) >= self.config.max_model_len
-        ):
+        if len(seq.token_ids) >= seq.token_limit:
             self.finish(seq, "length")
             return True
         return False

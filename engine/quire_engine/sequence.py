@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from array import array
 from dataclasses import dataclass, field
 
 _arrival_counter = itertools.count()
@@ -49,9 +48,10 @@ class Sequence:
     reserved_seqs: int = 1
     # token_ids is prompt + output, kept as one list so decode steps never concatenate.
     token_ids: list[int] = field(init=False)
-    # The same ids as int64 machine words, kept in step with token_ids: prefix hashing reads a
-    # block's bytes straight from it instead of converting a list slice per block.
-    token_array: array[int] = field(init=False)
+    # len(token_ids) at which the sequence is finished with reason "length": prompt + max_tokens
+    # here; the scheduler lowers it to max_model_len when it takes the sequence (add, fork), so
+    # that each appended token costs one comparison.
+    token_limit: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -61,7 +61,7 @@ class Sequence:
         if self.reserved_seqs < 1:
             raise ValueError(f"reserved_seqs must be >= 1; got {self.reserved_seqs}")
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
-        self.token_array = array("q", self.token_ids)
+        self.token_limit = len(self.prompt_token_ids) + self.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +78,6 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
-        self.token_array.append(token_id)
 
     def replace_last_token(self, token_id: int) -> None:
         """Swap the last sampled token (not yet computed) for another: a forked sample or beam
@@ -87,7 +86,6 @@ class Sequence:
             raise ValueError("no sampled token to replace")
         self.output_token_ids[-1] = token_id
         self.token_ids[-1] = token_id
-        self.token_array[-1] = token_id
 
     def fork(self, seq_id: str) -> Sequence:
         """A copy that shares history but none of the scheduler-side identity (blocks are forked

@@ -55,12 +55,37 @@ def test_fork_retire_fail_and_remove_return_every_block() -> None:
     assert [s.seq.seq_id for s in req.samples] == ["r/0"] and "r/1" not in sched.seqs
     table.fail(req, "boom")
     assert req.finished and req.error == "boom"
-    assert first.output.finish_reason == "abort" and first.seq.status is SequenceStatus.FINISHED
+    assert first.finish_reason == "abort" and first.seq.status is SequenceStatus.FINISHED
     assert sched.kv.stats().used == 0 and "r" in table  # listed until the engine reports it
     table.fail(req, "second error")
     assert req.error == "boom"  # the first error is kept
     table.remove(req)
     assert len(table) == 0 and not sched.seqs
+
+
+def test_plain_greedy_requests_are_counted_through_every_exit() -> None:
+    table = make_table()
+    assert table.all_plain_greedy  # vacuously: no request
+    plain = add(table, "plain", [1, 2], temperature=0.0, max_tokens=2)
+    assert plain.plain_greedy and table.all_plain_greedy
+    sampled = add(table, "sampled", [3], temperature=0.8, max_tokens=2)
+    fanned = add(table, "fanned", [4], temperature=0.0, n=2, max_tokens=2)
+    with_logprobs = add(table, "lp", [5], temperature=0.0, logprobs=1, max_tokens=2)
+    assert not any(r.plain_greedy for r in (sampled, fanned, with_logprobs))
+    assert fanned.single is False and with_logprobs.single is True
+    with pytest.raises(ValueError, match="duplicate"):
+        add(table, "sampled", [3], temperature=0.8)  # a rejected add counts nothing
+    table.abort("sampled")
+    table.abort("sampled")  # unknown now: ignored, counted once
+    assert not table.all_plain_greedy
+    table.fail(fanned, "boom")  # failed but listed until reported
+    assert not table.all_plain_greedy
+    table.remove(fanned)
+    table.remove(fanned)
+    table.abort("lp")
+    assert table.all_plain_greedy
+    table.abort("plain")
+    assert table.all_plain_greedy and len(table) == 0
 
 
 def test_abort_in_any_state() -> None:
@@ -73,4 +98,4 @@ def test_abort_in_any_state() -> None:
     assert table.abort("r") is running and table.abort("w") is waiting
     assert table.abort("unknown") is None
     assert len(table) == 0 and table.scheduler.kv.stats().used == 0
-    assert all(s.output.finish_reason == "abort" for s in running.samples + waiting.samples)
+    assert all(s.finish_reason == "abort" for s in running.samples + waiting.samples)

@@ -224,6 +224,32 @@ def test_finish_at_max_model_len() -> None:
     assert len(s.token_ids) == 10 and s.finish_reason == "length"
 
 
+def test_advance_takes_tokens_aligned_with_the_batch() -> None:
+    sched = make(max_num_batched_tokens=6, max_model_len=9)
+    a = Sequence("a", [1, 2, 3], max_tokens=100)  # capped by max_model_len: 6 tokens to go
+    b = Sequence("b", [4] * 5, max_tokens=2)  # prefilled in two chunks (3 + 2)
+    sched.add(a)
+    sched.add(b)
+    assert (a.token_limit, b.token_limit) == (9, 7)  # min(prompt + max_tokens, max_model_len)
+    out = sched.schedule()
+    assert out.num_new_tokens == [3, 3] and out.samples == [True, False]
+    assert sched.advance(out, [10, None]) == []  # b only computed a chunk: nothing appended
+    assert a.output_token_ids == [10] and not b.output_token_ids
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (3, 3)
+    out = sched.schedule()
+    assert out.num_new_tokens == [1, 2] and out.samples == [True, True]
+    sched.advance(out, [11, 20])
+    out = sched.schedule()
+    assert sched.advance(out, [12, 21]) == [b]  # its second token: max_tokens
+    assert b.finish_reason == "length" and b.token_ids == [4] * 5 + [20, 21]
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.advance(out, [13])
+    assert len(a.token_ids) == 9 and a.finish_reason == "length"
+    with pytest.raises(ValueError, match="zip"):
+        sched.advance(out, [1, 2])  # one token per scheduled sequence, no more
+
+
 def test_fork_children_share_prompt_blocks() -> None:
     sched = make()
     parent = Sequence("p", list(range(6)), max_tokens=4)

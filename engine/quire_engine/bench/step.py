@@ -190,7 +190,7 @@ def _profiled(engine: engine_module.LLMEngine, totals: dict[str, int], on: bool)
     with (
         _patched(sched, "schedule", timed(totals, "schedule", sched.schedule)),
         _patched(runner, "execute", timed(totals, "runner", runner.execute)),
-        _patched(sched, "update", timed(totals, "update", sched.update)),
+        _patched(sched, "advance", timed(totals, "update", sched.advance)),
         _patched(engine_module, "sample", timed(totals, "sample", engine_module.sample)),
         _patched(
             engine_module, "greedy_tokens", timed(totals, "sample", engine_module.greedy_tokens)
