@@ -158,7 +158,10 @@ class Detokenizer:
                 self._prefix_bytes = table.token_bytes[token_id]
                 self.text += new
                 return new
-            pending = self._pending + (table.token_bytes[token_id] if in_table else b"")
+            piece = table.token_bytes[token_id] if in_table else b""
+            if not piece:  # a special token (or past the vocabulary): no text, no state change
+                return ""
+            pending = self._pending + piece
             window = self._prefix_bytes
             full = (window + pending).decode("utf-8", "replace")
             prefix_len = len(window) if window.isascii() else len(window.decode("utf-8", "replace"))

@@ -61,12 +61,14 @@ class _Table:
     is exported cannot grow, and the table grows while its sequence runs.
 
     ``capacity`` (slots held), ``publish_at`` (the token count that fills the next unpublished
-    block) and ``forked`` (whether any block may be shared with a sibling) are kept so that the
-    decode fast path of ``allocate_slots`` is three comparisons."""
+    block) and ``forked`` (whether any block may be shared with a sibling) are kept, and folded
+    into ``quiet_end`` (the longest the sequence may grow to with nothing to allocate, copy or
+    publish: 0 once forked, where a shared tail must be checked), so that the common decode
+    step of ``allocate_slots`` is one comparison."""
 
     __slots__ = (
         "block_size", "blocks", "capacity", "forked", "ids", "num_cached", "num_released",
-        "publish_at",
+        "publish_at", "quiet_end",
     )  # fmt: skip
 
     def __init__(self, block_size: int) -> None:
@@ -96,10 +98,16 @@ class _Table:
         self.blocks.append(block)
         self.ids.append(block.block_id)
         self.capacity += self.block_size
+        self.settle()
 
     def set_cached(self, num_cached: int) -> None:
         self.num_cached = num_cached
         self.publish_at = (num_cached + 1) * self.block_size
+        self.settle()
+
+    def settle(self) -> None:
+        """Recompute ``quiet_end``; called whenever capacity, publish_at or forked change."""
+        self.quiet_end = 0 if self.forked else min(self.capacity, self.publish_at - 1)
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
@@ -234,11 +242,13 @@ class KVCacheManager:
         block-id array, or None, changing nothing, when the pool cannot supply the blocks.
         """
         table = self._tables.get(seq.seq_id)
-        bs = self.block_size
         start = seq.num_computed_tokens
         end = start + num_new_tokens
+        if table is not None and end <= table.quiet_end and not computed:
+            return table.ids  # the common decode step: the slots exist, nothing to do
+        bs = self.block_size
         if table is not None:
-            # Fast path (the common decode step): the slots exist and the tail block is private.
+            # Fast path: the slots exist and the tail block is private.
             if (
                 end <= table.capacity
                 and not computed
@@ -250,6 +260,7 @@ class KVCacheManager:
                     if num_new_tokens == 1 and self.pool.enable_prefix_caching:
                         self._unpublished[seq.seq_id] = (seq, table)
                         table.publish_at = _NEVER  # queued once; _publish resets it
+                        table.settle()
                     else:
                         self._publish(seq, table, end // bs)
                 return table.ids
@@ -372,6 +383,8 @@ class KVCacheManager:
         table.num_released = src.num_released
         table.set_cached(src.num_cached)
         table.forked = src.forked = True  # writes into a shared tail block must copy first
+        table.settle()
+        src.settle()
 
     def free(self, seq_id: str) -> None:
         """Release everything the sequence holds, in any state (finish, abort, preemption)."""
