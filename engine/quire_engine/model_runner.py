@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -93,6 +94,13 @@ class ModelRunner:
         ]
         self.cpu_v_caches = [torch.zeros_like(k) for k in self.cpu_k_caches]
         self._kv_pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+        # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
+        # no-op costing a dispatcher round trip per input per step).
+        self._put: Callable[[np.ndarray], torch.Tensor] = (
+            torch.from_numpy
+            if device.type == "cpu"
+            else lambda a: torch.from_numpy(a).to(device, non_blocking=True)
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -112,22 +120,23 @@ class ModelRunner:
                 num_kv_heads=shape.num_kv_heads,
                 head_dim=shape.head_dim,
             )
+        put = self._put
         md = attention.AttentionMetadata(
             kv_caches=self._kv_pairs,
-            slot_mapping=torch.from_numpy(x.slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(x.tables).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(x.seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(x.qsl.astype(np.int32)).to(dev, non_blocking=True),
-            max_query_len=int(x.counts.max()),
+            slot_mapping=put(x.slots),
+            block_tables=put(x.tables),
+            seq_lens=put(x.seq_lens.astype(np.int32)),
+            query_start_loc=put(x.qsl.astype(np.int32)),
+            max_query_len=x.max_query_len,
             max_seq_len=int(x.seq_lens.max()),
             use_triton=self.use_triton,
             cpu_plan=cpu_plan,
         )
         result = self.model(
-            input_ids=torch.from_numpy(x.input_ids).to(dev).unsqueeze(0),
-            position_ids=torch.from_numpy(x.positions).to(dev).unsqueeze(0),
+            input_ids=put(x.input_ids).unsqueeze(0),
+            position_ids=put(x.positions).unsqueeze(0),
             use_cache=False,
-            logits_to_keep=torch.from_numpy(x.sample_rows).to(dev),
+            logits_to_keep=put(x.sample_rows),
             quire_metadata=md,
         )
         return result.logits[0].float()  # [num_sampling_seqs, vocab]
@@ -158,6 +167,7 @@ class StepInputs:
     input_ids: np.ndarray  # int64 [T]
     seq_lens: np.ndarray  # int64 [S]: context length after the step
     sample_rows: np.ndarray  # int64 [rows]: index in T of each sampled token
+    max_query_len: int  # the most new tokens of one sequence
 
 
 def build_step_inputs(out: SchedulerOutput) -> StepInputs:
@@ -201,9 +211,11 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
         sample_rows = seq_index  # every sequence samples its only token
     else:
         sample_rows = (qsl[1:] - 1)[np.fromiter(out.samples, dtype=bool, count=num_seqs)]
+    max_query_len = 1 if decode else int(counts.max())
     return StepInputs(
-        counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows
-    )
+        counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows,
+        max_query_len,
+    )  # fmt: skip
 
 
 _token_ids = attrgetter("token_ids")
