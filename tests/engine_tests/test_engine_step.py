@@ -51,6 +51,13 @@ def test_beam_and_fan_out_in_one_step_match_each_alone() -> None:
     assert len(together["sampled"].outputs) == 2
 
 
+def _summary(o: RequestOutput) -> tuple[Any, ...]:
+    sample = o.outputs[0]
+    tokens = list(sample.token_ids)
+    return (o.request_id, tokens, sample.text, o.finished, sample.finish_reason,
+            sample.stop_reason, o.error)  # fmt: skip
+
+
 def _greedy_reports(engine: LLMEngine, stop_text: str, stop_id: int) -> list[list[tuple[Any, ...]]]:
     """Every step's reports for plain greedy requests that end every way a plain request can:
     max_tokens, max_model_len, a stop string (cut, or kept), a stop token id, EOS; one prompt is
@@ -68,13 +75,7 @@ def _greedy_reports(engine: LLMEngine, stop_text: str, stop_id: int) -> list[lis
         engine.add_request(f"r{i}", prompt, SamplingParams(**params))
     steps = []
     while engine.has_unfinished():
-        steps.append(
-            [
-                (o.request_id, list(o.outputs[0].token_ids), o.outputs[0].text, o.finished,
-                 o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.error)
-                for o in engine.step()
-            ]  # fmt: skip
-        )
+        steps.append([_summary(o) for o in engine.step()])
     return steps
 
 
