@@ -144,13 +144,12 @@ class Detokenizer:
         return text if isinstance(text, str) else "".join(text)
 
     def add(self, token_id: int) -> str:
-        """Append one generated token (a logits column: ``>= 0``); returns the text it made
-        final (possibly "")."""
+        """Append one generated token; returns the text it made final (possibly "")."""
         table = self.table
         if table is not None:  # once per sequence per step
             texts = table.ascii_text
             # A logits column past the tokenizer's vocabulary decodes to nothing (as bytes_of).
-            in_table = token_id < len(texts)
+            in_table = 0 <= token_id < len(texts)
             if in_table and not self._pending and (new := texts[token_id]) is not None:
                 # The common case, without decoding the window: ASCII bytes never complete or
                 # extend a character, so decode(prefix + piece) == decode(prefix) + piece (an
