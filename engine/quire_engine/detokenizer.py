@@ -157,7 +157,7 @@ class Detokenizer:
                 self._prefix_bytes = table.token_bytes[token_id]
                 self.text += new
                 return new
-            piece = table.token_bytes[token_id] if in_table else b""
+            piece = table.bytes_of(token_id)
             if not piece:  # a special token (or past the vocabulary): no text, no state change
                 return ""
             pending = self._pending + piece

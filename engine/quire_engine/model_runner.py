@@ -185,6 +185,8 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
         qsl = np.arange(num_seqs + 1, dtype=np.int64)
         positions = starts
         seq_index = qsl[:-1]
+        sample_rows = seq_index  # every sequence samples its only token
+        max_query_len = 1
         input_ids = np.fromiter(
             map(_last, map(_token_ids, out.seqs)), dtype=np.int64, count=num_tokens
         )
@@ -204,14 +206,11 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
             dtype=np.int64,
             count=num_tokens,
         )
+        sample_rows = (qsl[1:] - 1)[np.fromiter(out.samples, dtype=bool, count=num_seqs)]
+        max_query_len = int(counts.max())
     tables = _pad_tables(out.block_tables)  # [num_seqs, max_blocks]
     bs = out.block_size
     slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    if decode:
-        sample_rows = seq_index  # every sequence samples its only token
-    else:
-        sample_rows = (qsl[1:] - 1)[np.fromiter(out.samples, dtype=bool, count=num_seqs)]
-    max_query_len = 1 if decode else int(counts.max())
     return StepInputs(
         counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows,
         max_query_len,
