@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from quire_engine import attention
-from quire_engine.kernels import triton_usable
+from quire_engine.kernels import native, triton_usable
 from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
 from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 from quire_engine.scheduler import SchedulerOutput
@@ -79,6 +79,13 @@ class ModelRunner:
         self.shape = shape
         self.device = device
         self.use_triton = triton_usable(device)
+        # CPU decode attention through the native kernel when it builds (fp32 pools only; it
+        # logs why not otherwise): it reads blocks in place instead of gathering them.
+        self.native_decode = (
+            native.paged_decode()
+            if device.type == "cpu" and not self.use_triton and shape.dtype == torch.float32
+            else None
+        )
         block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
         # Zero-initialised: padded reads past a sequence's end must see finite values.
         # Per layer: [num_blocks, block_size, kv_heads, head_dim].
@@ -119,6 +126,8 @@ class ModelRunner:
                 block_size=shape.block_size,
                 num_kv_heads=shape.num_kv_heads,
                 head_dim=shape.head_dim,
+                native=self.native_decode,
+                num_threads=torch.get_num_threads(),
             )
         put = self._put
         md = attention.AttentionMetadata(

@@ -10,15 +10,21 @@ host arrays; ``write_kv`` and ``attend`` then cost the tensor work and a few cal
 Semantics are the reference's (``finite_cache=True``: the runner zero-initialises its pools and
 writes only model K/V into them):
 
-* decode sequences (one query token), longest first, in chunks whose gathered K stays near
-  ``_DECODE_CHUNK_BYTES`` and whose contexts are at least half the chunk's padded length; one
-  SDPA call per chunk over the gathered ``[n, padded, kv_heads, D]`` context, masked by length,
-  with the query heads of each KV head as its query rows (no K/V repeated per head);
+* decode sequences (one query token): with the native kernel (``native.paged_decode``, fp32),
+  one C call per layer that reads every sequence's blocks in place; otherwise longest first, in
+  chunks whose gathered K stays near ``_DECODE_CHUNK_BYTES`` and whose contexts are at least
+  half the chunk's padded length, one SDPA call per chunk over the gathered
+  ``[n, padded, kv_heads, D]`` context, masked by length, with the query heads of each KV head
+  as its query rows (no K/V repeated per head);
 * sequences with several query tokens one by one, with a causal mask shifted by their cached
   prefix.
 
 The plan trusts its inputs (the runner built them from the scheduler's output); external callers
-use ``paged_attention_reference``, which checks them.
+use ``paged_attention_reference``, which checks them. Before a native call it still checks that
+every block id is inside the pool and every length inside its table row: an index error there
+would be a crash, not an exception. The torch path is bit-identical to the reference; the native
+kernel equals it to rounding (another summation order), and each sequence's result from it is
+independent of the batch around it and of the thread count.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from quire_engine.kernels.native import PagedDecode
 from quire_engine.kernels.paged_attention import attend_decode, decode_chunks
 
 
@@ -41,6 +48,16 @@ class _DecodeChunk:
     num_seqs: int
     padded: int  # num_blocks * block_size
     mask: torch.Tensor  # bool [n, 1, 1, padded]: visible keys
+
+
+@dataclass(frozen=True, slots=True)
+class _NativeDecode:
+    kernel: PagedDecode
+    rows: np.ndarray  # int64 [n]: the query/output row of each decode sequence
+    tables: np.ndarray  # int32 [n, max_blocks], C-contiguous
+    lens: np.ndarray  # int64 [n]: context lengths, each in 1 .. max_blocks * block_size
+    max_block: int  # the largest block id in tables (checked against the pool once per layer)
+    num_threads: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +85,11 @@ class CpuAttentionPlan:
         decode: list[_DecodeChunk],
         prefill: list[_Prefill],
         block_size: int,
+        native: _NativeDecode | None = None,
     ) -> None:
         self.slots = slots  # int64 [T]: flat slot of each new token
-        self.decode = decode
+        self.decode = decode  # SDPA chunks; empty when native decode takes every decode row
+        self.native = native
         self.prefill = prefill
         self.block_size = block_size
 
@@ -85,36 +104,25 @@ class CpuAttentionPlan:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
+        native: PagedDecode | None = None,
+        num_threads: int = 1,
     ) -> CpuAttentionPlan:
+        """``native``: run decode rows through the native kernel (the runner passes it only
+        for fp32 pools) on up to ``num_threads`` threads."""
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
         q_lens = [b - a for a, b in itertools.pairwise(starts)]
         tables = torch.from_numpy(block_tables).long()  # [S, max_blocks]
-        token_bytes = num_kv_heads * head_dim * 4
-
-        # Decode sequences longest first (a stable sort, as the reference's sorted()); the
-        # per-chunk tensors are slices of tensors built once for all of them.
         decode = np.flatnonzero(np.diff(query_start_loc) == 1)
-        order = decode[np.argsort(-seq_lens[decode], kind="stable")]
-        sorted_lens = seq_lens[order].tolist()
-        order_t = torch.from_numpy(order)
-        rows_all = torch.from_numpy(query_start_loc[:-1][order].astype(np.int64))  # [D]
-        tables_all = tables[order_t]  # [D, max_blocks]
-        lens_all = torch.from_numpy(seq_lens[order].astype(np.int64))
         chunks: list[_DecodeChunk] = []
-        for i, end, num_blocks in decode_chunks(sorted_lens, block_size, token_bytes):
-            padded = num_blocks * block_size
-            # Always a mask, even when every key is visible: the reference passes one, and SDPA
-            # may take another kernel without it (results equal only to rounding).
-            mask = torch.arange(padded) < lens_all[i:end, None]  # [n, padded]
-            chunks.append(
-                _DecodeChunk(
-                    rows=rows_all[i:end],
-                    blocks=tables_all[i:end, :num_blocks].flatten(),
-                    num_seqs=end - i,
-                    padded=padded,
-                    mask=mask[:, None, None, :],
-                )
+        native_decode = None
+        if native is not None:
+            native_decode = _native_decode(
+                native, decode, block_tables, seq_lens, query_start_loc, block_size, num_threads
+            )
+        else:
+            chunks = _decode_chunks(
+                decode, tables, seq_lens, query_start_loc, block_size, num_kv_heads * head_dim * 4
             )
 
         prefill: list[_Prefill] = []
@@ -130,7 +138,7 @@ class CpuAttentionPlan:
             prefill.append(
                 _Prefill(starts[s], n, length, tables[s, : -(-length // block_size)], causal)
             )
-        return cls(torch.from_numpy(slots), chunks, prefill, block_size)
+        return cls(torch.from_numpy(slots), chunks, prefill, block_size, native_decode)
 
     def write_kv(
         self,
@@ -155,6 +163,11 @@ class CpuAttentionPlan:
         """``[T, heads, D]`` in ``q.dtype``; K/V of the step must be written first."""
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if (nd := self.native) is not None and len(nd.rows):
+            if nd.max_block >= k_cache.shape[0]:
+                raise ValueError(f"block {nd.max_block} is outside a pool of {k_cache.shape[0]}")
+            qn = q if q.stride(2) == 1 else q.contiguous()
+            nd.kernel(qn, k_cache, v_cache, nd.rows, nd.tables, nd.lens, scale, out, nd.num_threads)
         for c in self.decode:
             k = torch.index_select(k_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
             v = torch.index_select(v_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
@@ -179,6 +192,65 @@ class CpuAttentionPlan:
             )  # fmt: skip
             out[p.start : p.start + p.num_queries] = o[0].transpose(0, 1).to(q.dtype)
         return out
+
+
+def _native_decode(
+    kernel: PagedDecode,
+    decode: np.ndarray,  # int64 [D]: indices of the one-token sequences
+    block_tables: np.ndarray,  # int32 [S, max_blocks]
+    seq_lens: np.ndarray,  # [S]
+    query_start_loc: np.ndarray,  # [S + 1]
+    block_size: int,
+    num_threads: int,
+) -> _NativeDecode:
+    if len(decode) == len(block_tables):  # a pure decode step: every row, no copies
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        rows = query_start_loc[:-1].astype(np.int64)
+        lens = seq_lens.astype(np.int64)
+    else:
+        tables = np.ascontiguousarray(block_tables[decode], dtype=np.int32)
+        rows = query_start_loc[:-1][decode].astype(np.int64)
+        lens = seq_lens[decode].astype(np.int64)
+    if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
+        raise ValueError(f"decode lengths {lens.tolist()} outside their block tables")
+    max_block = int(tables.max()) if tables.size else 0
+    if tables.size and int(tables.min()) < 0:
+        raise ValueError("negative block id in a decode block table")
+    return _NativeDecode(kernel, rows, tables, lens, max_block, num_threads)
+
+
+def _decode_chunks(
+    decode: np.ndarray,  # int64 [D]: indices of the one-token sequences
+    tables: torch.Tensor,  # int64 [S, max_blocks]
+    seq_lens: np.ndarray,  # [S]
+    query_start_loc: np.ndarray,  # [S + 1]
+    block_size: int,
+    token_bytes: int,
+) -> list[_DecodeChunk]:
+    # Decode sequences longest first (a stable sort, as the reference's sorted()); the
+    # per-chunk tensors are slices of tensors built once for all of them.
+    order = decode[np.argsort(-seq_lens[decode], kind="stable")]
+    sorted_lens = seq_lens[order].tolist()
+    order_t = torch.from_numpy(order)
+    rows_all = torch.from_numpy(query_start_loc[:-1][order].astype(np.int64))  # [D]
+    tables_all = tables[order_t]  # [D, max_blocks]
+    lens_all = torch.from_numpy(seq_lens[order].astype(np.int64))
+    chunks: list[_DecodeChunk] = []
+    for i, end, num_blocks in decode_chunks(sorted_lens, block_size, token_bytes):
+        padded = num_blocks * block_size
+        # Always a mask, even when every key is visible: the reference passes one, and SDPA
+        # may take another kernel without it (results equal only to rounding).
+        mask = torch.arange(padded) < lens_all[i:end, None]  # [n, padded]
+        chunks.append(
+            _DecodeChunk(
+                rows=rows_all[i:end],
+                blocks=tables_all[i:end, :num_blocks].flatten(),
+                num_seqs=end - i,
+                padded=padded,
+                mask=mask[:, None, None, :],
+            )
+        )
+    return chunks
 
 
 class LazyCpuAttentionPlan:

@@ -1,0 +1,217 @@
+/* Paged decode attention on CPU (fp32): one query token per sequence, read against that
+ * sequence's K/V blocks where they lie in the pool. No gather, no padding, no mask.
+ *
+ * Loaded by quire_engine/kernels/native.py (compiled on first use, cached per machine) and called
+ * by CpuAttentionPlan for the decode rows of a step, once per layer. The semantics are those of
+ * paged_attention_reference for a one-token query of plain causal attention: the query at
+ * position len - 1 sees keys 0 .. len - 1 (no window, no soft-cap; those layers stay on the
+ * reference). Results match it to rounding, not bit for bit (another summation order).
+ *
+ * Layouts (all fp32 except the index arrays):
+ *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
+ *   k, v     [num_blocks, block_size, kv_heads, D] contiguous (the runner's pools)
+ *   rows     int64 [n]: the query/output row of each sequence
+ *   tables   int32 [n, table_stride]: block ids, the first ceil(len / block_size) used
+ *   lens     int64 [n]: context length including the step's token (>= 1)
+ *   out      [T, heads, D] contiguous; only the n rows are written
+ *
+ * Grouped-query attention: query head hq reads KV head hq / (heads / kv_heads), as transformers'
+ * repeat_kv maps them. A sequence is computed by one thread from start to end, in an order that
+ * depends only on its own data, so its output is the same bits whatever the batch around it and
+ * whatever the thread count.
+ *
+ * The caller (native.py) checks dtypes, shapes and strides; the plan checks that every block id
+ * is inside the pool and every length inside its table. Returns 0, or 1 when scratch memory
+ * could not be allocated (nothing is written then for the rows of the failing thread).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (a softmax numerator), written so that the compiler vectorizes it: libm's
+ * expf is a call per element, a quarter of this kernel's time. Range reduction x = n ln2 + r with
+ * n = round(x / ln2) (adding and subtracting 1.5 * 2^23 rounds to nearest), |r| <= ln2 / 2, ln2
+ * split in two constants (the high part exact in float); exp(r) by its degree-7 Taylor expansion
+ * (truncation ~2e-9 relative at |r| = 0.35, below float rounding); 2^n assembled in the exponent
+ * bits. Over every float in [-87, 0]: within 1 ulp of glibc's expf, relative error <= 1.1e-7.
+ * Below -87.3 the result would be a denormal, so 0 (a weight under 1e-38 of the row's maximum);
+ * NaN stays NaN, so a broken model still shows. The selects vectorize only when the compiler
+ * may assume floating-point operations do not trap (-fno-trapping-math, set by native.py). */
+static inline float exp_nonpositive(float x)
+{
+    const float clamped = x < -87.3f ? -87.3f : x;
+    const float shifted = clamped * 1.44269504088896341f + 12582912.0f;
+    const float n = shifted - 12582912.0f;
+    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* The low mantissa bits of `shifted` hold n (as 0x4B400000 + n): move it to the exponent. */
+    union {
+        float f;
+        int32_t i;
+    } bits = {.f = shifted};
+    bits.i = (bits.i - 0x4B400000 + 127) << 23;
+    const float value = p * bits.f;
+    return x != x ? x : (x < -87.3f ? 0.0f : value);
+}
+
+static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
+                       const int32_t *table, int64_t len, int64_t block_size, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, float scale, float *out,
+                       float *scores, float *row_max, float *row_sum, const int64_t *kv_of)
+{
+    const int64_t token_stride = kv_heads * head_dim; /* floats between two tokens of a block */
+
+    /* Pass 1: scores[hq][t] = scale * q_hq . k_t, block by block. A block holds every KV head of
+     * its tokens contiguously ([block_size, kv_heads, D]), so it is read front to back. */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        const float *kb = k + (int64_t)table[start / block_size] * block_size * token_stride;
+        float *sc = scores + start;
+        int64_t j = 0;
+        /* Four tokens at a time: four independent accumulators keep the vector unit busy
+         * (one dot's additions are a dependency chain). */
+        for (; j + 4 <= count; j += 4) {
+            const float *kt = kb + j * token_stride;
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const float *qh = q + hq * q_head;
+                const float *k0 = kt + kv_of[hq];
+                const float *k1 = k0 + token_stride, *k2 = k1 + token_stride;
+                const float *k3 = k2 + token_stride;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                for (int64_t d = 0; d < head_dim; d++) {
+                    d0 += qh[d] * k0[d];
+                    d1 += qh[d] * k1[d];
+                    d2 += qh[d] * k2[d];
+                    d3 += qh[d] * k3[d];
+                }
+                float *row = sc + hq * len + j;
+                row[0] = d0 * scale;
+                row[1] = d1 * scale;
+                row[2] = d2 * scale;
+                row[3] = d3 * scale;
+            }
+        }
+        for (; j < count; j++) {
+            const float *kt = kb + j * token_stride;
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const float *qh = q + hq * q_head;
+                const float *kh = kt + kv_of[hq];
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; d++)
+                    dot += qh[d] * kh[d];
+                sc[hq * len + j] = dot * scale;
+            }
+        }
+    }
+    for (int64_t hq = 0; hq < heads; hq++) {
+        const float *p = scores + hq * len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; t++)
+            m = p[t] > m ? p[t] : m;
+        row_max[hq] = m;
+    }
+    /* Softmax numerators in place; the division waits for the end (one per output element). */
+    for (int64_t hq = 0; hq < heads; hq++) {
+        float *p = scores + hq * len;
+        const float m = row_max[hq];
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            p[t] = exp_nonpositive(p[t] - m);
+            sum += p[t];
+        }
+        row_sum[hq] = sum;
+    }
+    /* Pass 2: out_hq = sum_t p[hq][t] v_t / sum_t p[hq][t], the same block order. */
+    memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        const float *vb = v + (int64_t)table[start / block_size] * block_size * token_stride;
+        const float *sc = scores + start;
+        int64_t j = 0;
+        /* Four tokens per pass over the output row: a quarter of the loads and stores of it. */
+        for (; j + 4 <= count; j += 4) {
+            const float *vt = vb + j * token_stride;
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const float *p = sc + hq * len + j;
+                const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+                const float *v0 = vt + kv_of[hq];
+                const float *v1 = v0 + token_stride, *v2 = v1 + token_stride;
+                const float *v3 = v2 + token_stride;
+                float *o = out + hq * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d]);
+            }
+        }
+        for (; j < count; j++) {
+            const float *vt = vb + j * token_stride;
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const float p = sc[hq * len + j];
+                const float *vh = vt + kv_of[hq];
+                float *o = out + hq * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += p * vh[d];
+            }
+        }
+    }
+    for (int64_t hq = 0; hq < heads; hq++) {
+        const float inv = 1.0f / row_sum[hq];
+        float *o = out + hq * head_dim;
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] *= inv;
+    }
+}
+
+int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const float *k,
+                       const float *v, const int64_t *rows, const int32_t *tables,
+                       int64_t table_stride, const int64_t *lens, int64_t n, int64_t block_size,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+                       float *out, int64_t num_threads)
+{
+    int64_t max_len = 1;
+    for (int64_t s = 0; s < n; s++)
+        if (lens[s] > max_len)
+            max_len = lens[s];
+    /* kv_of[hq]: the offset of query head hq's KV head inside a token (no division in the
+     * inner loops). */
+    int64_t *kv_of = malloc(sizeof(int64_t) * (size_t)heads);
+    if (kv_of == NULL)
+        return 1;
+    for (int64_t hq = 0; hq < heads; hq++)
+        kv_of[hq] = hq / (heads / kv_heads) * head_dim;
+    int failed = 0;
+    /* Threads split sequences, never one sequence: see the header on determinism. Scratch per
+     * thread: heads x max_len scores, then each head's running max and sum. */
+#pragma omp parallel num_threads(num_threads > 1 ? (int)num_threads : 1) if (num_threads > 1 && n > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(heads * (max_len + 2)));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < n; s++) {
+            if (scores == NULL)
+                continue;
+            decode_one(q + rows[s] * q_tok, q_head, k, v, tables + s * table_stride, lens[s],
+                       block_size, heads, kv_heads, head_dim, scale,
+                       out + rows[s] * heads * head_dim, scores + 2 * heads, scores,
+                       scores + heads, kv_of);
+        }
+        free(scores);
+    }
+    free(kv_of);
+    return failed;
+}

@@ -1,0 +1,221 @@
+"""The engine's native CPU kernel: paged decode attention in C, compiled on first use.
+
+On CPU the torch path has to gather a sequence's scattered blocks into a contiguous, padded copy
+before SDPA can read them, so decode attention moves each K/V byte three times (read, write,
+read again) and pays for padding. ``csrc/paged_decode.c`` reads the blocks where they lie, once
+(vLLM's CPU backend does the same with C++ kernels; on CUDA the Triton kernel does it).
+
+Build and cache (the same approach as Triton's launchers and torch's inline extensions):
+
+* the source is compiled with the C compiler in ``$CC`` (else ``cc``, else ``gcc``) with
+  ``-O3 -march=native`` and OpenMP when the compiler has it (without it the kernel runs on one
+  thread); each flag set is tried in turn until one builds;
+* the shared object is cached under ``$QUIRE_KERNEL_CACHE`` (default
+  ``$XDG_CACHE_HOME/quire/kernels``, i.e. ``~/.cache/quire/kernels``), named by a hash of the
+  source, the compiler's version, the flags and this CPU's model and feature flags, so a cache
+  shared by machines of different CPU types never loads code built for another one; it is
+  written to a temporary name and renamed, so concurrent first starts cannot load half a file;
+* ``QUIRE_NATIVE_KERNELS=0`` turns it off. Without a compiler, or when the build fails, the
+  engine logs one warning and runs the torch path: slower, same results to rounding.
+
+Ownership: this module owns the compiled library (one per process, loaded once) and checks every
+tensor's dtype, shape and strides before a pointer crosses into C; the caller
+(``CpuAttentionPlan``) owns the index arrays and checks they stay inside the pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# Tried in order; the first that compiles is used. OpenMP lets a step's sequences spread over
+# torch's thread count; -march=native turns on the CPU's vector units (AVX2/AVX-512/NEON).
+FLAG_SETS: tuple[tuple[str, ...], ...] = (
+    ("-march=native", "-fopenmp"),
+    ("-march=native", "-fopenmp-simd"),
+    ("-fopenmp-simd",),
+    (),
+)
+_BASE_FLAGS = ("-O3", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def enabled() -> bool:
+    """Whether ``QUIRE_NATIVE_KERNELS`` allows the native kernel (anything but 0/false/off/no)."""
+    value = os.environ.get("QUIRE_NATIVE_KERNELS", "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("QUIRE_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "quire" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC`` when set (even if missing: then None), else cc or gcc."""
+    explicit = os.environ.get("CC")
+    if explicit:
+        return shutil.which(explicit)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    # The model name and feature flags: what -march=native compiles for.
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    lines = {ln.split(":", 1)[0].strip(): ln for ln in text.splitlines() if ":" in ln}
+    return "\n".join(lines.get(w, "") for w in wanted)
+
+
+def _version(cc: str) -> str:
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile ``SOURCE`` into ``target`` atomically; None on success, else the compiler's
+    complaint."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
+    os.close(fd)
+    try:
+        cmd = [cc, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        if done.returncode != 0:
+            return (done.stderr or done.stdout).strip()[-2000:] or f"exit {done.returncode}"
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class PagedDecode:
+    """The loaded ``quire_paged_decode`` symbol with its checked Python signature."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path, flags: tuple[str, ...]) -> None:
+        self.path = path
+        self.flags = flags
+        self.threaded = "-fopenmp" in flags
+        fn = library.quire_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
+        fn.argtypes += [_P, _I]
+        self._fn = fn
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, heads, D] fp32, D contiguous
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D] fp32, contiguous
+        v_cache: torch.Tensor,
+        rows: np.ndarray,  # int64 [n]
+        tables: np.ndarray,  # int32 [n, W], C-contiguous
+        lens: np.ndarray,  # int64 [n]
+        scale: float,
+        out: torch.Tensor,  # [T, heads, D] fp32, contiguous
+        num_threads: int = 1,
+    ) -> None:
+        """Write rows ``rows`` of ``out``. The caller guarantees each ``lens[i]`` is in
+        ``1 .. W * block_size``, each used block id is in the pool and each row is below T."""
+        n = len(rows)
+        _, heads, head_dim = q.shape
+        _, block_size, kv_heads, kv_dim = k_cache.shape
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            raise ValueError(f"native decode needs fp32 q and K/V, got {q.dtype}/{k_cache.dtype}")
+        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+            raise ValueError("native decode: K and V pools differ in shape or dtype")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+            raise ValueError("native decode needs contiguous K/V pools and output")
+        if kv_dim != head_dim or heads % kv_heads or out.shape != q.shape or q.stride(2) != 1:
+            raise ValueError(f"native decode: q {tuple(q.shape)} does not fit K/V {kv_dim}")
+        if out.dtype != torch.float32 or q.device.type != "cpu" or k_cache.device.type != "cpu":
+            raise ValueError("native decode runs on CPU fp32 tensors")
+        if rows.dtype != np.int64 or lens.dtype != np.int64 or tables.dtype != np.int32:
+            raise ValueError("native decode: rows/lens int64, tables int32")
+        if tables.ndim != 2 or len(tables) != n or len(lens) != n or not tables.flags.c_contiguous:
+            raise ValueError("native decode: tables [n, W] C-contiguous, one row per sequence")
+        if n == 0:
+            return
+        failed = self._fn(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            rows.ctypes.data, tables.ctypes.data, tables.shape[1], lens.ctypes.data, n,
+            block_size, heads, kv_heads, head_dim, scale, out.data_ptr(), num_threads,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("native decode: could not allocate its scratch scores")
+
+
+@functools.cache
+def paged_decode() -> PagedDecode | None:
+    """The native decode kernel, built or loaded once per process; None when it is turned off,
+    or no compiler can build it (logged once)."""
+    if not enabled():
+        logger.info("native CPU kernels off (QUIRE_NATIVE_KERNELS); decode uses the torch path")
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.warning(
+            "no C compiler (set CC, or install gcc): CPU decode attention uses the slower torch "
+            "path"
+        )
+        return None
+    identity = [SOURCE.read_bytes(), _version(cc).encode(), _cpu_identity().encode()]
+    identity.append(platform.machine().encode())
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"{directory} is not writable")
+    except OSError as exc:  # e.g. a read-only home: build for this process only
+        directory = Path(tempfile.mkdtemp(prefix="quire-kernels-"))
+        logger.info("kernel cache unusable (%s); building into %s", exc, directory)
+    errors: list[str] = []
+    for flags in FLAG_SETS:
+        flag_text = " ".join(_BASE_FLAGS + flags).encode()
+        key = hashlib.sha256(b"\0".join([*identity, flag_text])).hexdigest()[:20]
+        target = directory / f"paged_decode-{key}.so"
+        if not target.exists():
+            problem = _build(cc, flags, target)
+            if problem is not None:
+                errors.append(f"{' '.join(flags) or '(no flags)'}: {problem}")
+                continue
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError as exc:
+            errors.append(f"{target}: {exc}")
+            continue
+        logger.info("native CPU decode attention: %s (%s)", target, " ".join(flags))
+        return PagedDecode(library, target, flags)
+    logger.warning(
+        "could not build the native CPU decode kernel with %s; decode uses the slower torch "
+        "path:\n%s",
+        cc,
+        "\n".join(errors),
+    )
+    return None
