@@ -100,18 +100,18 @@ def paged_attention_forward(
         raise ValueError(f"attention dropout {dropout} in inference: call model.eval()")
     k_cache, v_cache = md.kv_caches[module.layer_idx]  # type: ignore[index]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    # The planned CPU path is plain causal attention: windowed or soft-capped layers (and the
-    # released blocks of windowed models) go through the reference, which honours both.
-    if md.cpu_plan is not None and sliding_window is None and softcap is None:
-        plan = md.cpu_plan.get()
+    window = int(sliding_window) if sliding_window is not None else None
+    cap = float(softcap) if softcap is not None else None
+    # The planned CPU path: plain causal layers always; windowed or soft-capped layers (and the
+    # released blocks of windowed models) only in steps it runs wholly through the native decode
+    # kernel, which honours both. Otherwise the reference, which honours both everywhere.
+    if md.cpu_plan is not None and (plan := md.cpu_plan.get()).handles(window, cap):
         plan.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
-        out = plan.attend(query[0].transpose(0, 1), k_cache, v_cache, scale)
+        out = plan.attend(query[0].transpose(0, 1), k_cache, v_cache, scale, window, cap)
         return out.unsqueeze(0), None  # [1, T, heads, D]
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
     q = query[0].transpose(0, 1)  # [T, heads, D]; the kernels need only head_dim contiguous
     args = (q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
-    window = int(sliding_window) if sliding_window is not None else None
-    cap = float(softcap) if softcap is not None else None
     if md.use_triton:
         out = paged_attention(
             *args,

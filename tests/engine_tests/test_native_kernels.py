@@ -69,13 +69,19 @@ def _pool(
 
 
 def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: np.ndarray, lens: list[int]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: np.ndarray,
+    lens: list[int],
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     n = len(lens)
     return paged_attention_reference(
         q, k, v, torch.from_numpy(tables), torch.tensor(lens, dtype=torch.int32),
         torch.arange(n + 1, dtype=torch.int32), 0.3, max_query_len=1, max_seq_len=max(lens),
-        finite_cache=True,
+        sliding_window=window, softcap=softcap, finite_cache=True,
     )  # fmt: skip
 
 
@@ -95,6 +101,36 @@ def test_kernel_equals_reference(
     rows = np.arange(len(lens), dtype=np.int64)
     kernel(q, k, v, rows, tables, np.array(lens, dtype=np.int64), 0.3, out)
     expected = _reference(q, k, v, tables, lens)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 33])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_window_and_softcap_equal_reference(
+    kernel: native.PagedDecode, block_size: int, window: int | None, softcap: float | None
+) -> None:
+    lens = [1, 4, 16, 17, 40, 130, 33, 34]
+    heads, kv_heads, head_dim = 8, 2, 32
+    k, v, tables = _pool(lens, block_size, kv_heads, head_dim, seed=5)
+    if window is not None:
+        # What a windowed model does to blocks wholly before the window: releases them (their
+        # entries then name block 0). Point them at a block of NaN instead: never read, so the
+        # output stays finite and equal to the reference on the intact table.
+        poisoned = tables.copy()
+        spare = min(set(range(k.shape[0])) - set(tables.flatten().tolist()))  # in no table
+        k[spare], v[spare] = float("nan"), float("nan")
+        for i, n in enumerate(lens):
+            poisoned[i, : max(0, n - window) // block_size] = spare
+    else:
+        poisoned = tables
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(6)) * 3
+    out = torch.empty_like(q)
+    rows = np.arange(len(lens), dtype=np.int64)
+    lens_a = np.array(lens, dtype=np.int64)
+    kernel(q, k, v, rows, poisoned, lens_a, 0.3, out, sliding_window=window, softcap=softcap)
+    expected = _reference(q, k, v, tables, lens, window, softcap)
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -162,6 +198,33 @@ def test_plan_with_native_decode_equals_torch_plan(kernel: native.PagedDecode) -
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
     prefill_rows = [r for r in range(num_tokens) if r not in (0, 1, 11, 19)]
     assert torch.equal(got[prefill_rows], expected[prefill_rows])  # the same torch code
+
+
+def test_plan_takes_windowed_layers_only_in_pure_decode_steps(kernel: native.PagedDecode) -> None:
+    mixed = _mixed_step(4)
+    mixed.pop("num_blocks")
+    common = {"num_kv_heads": 1, "head_dim": 8}
+    plans = {
+        "mixed native": CpuAttentionPlan.build(**mixed, **common, native=kernel),  # type: ignore[arg-type]
+        "mixed torch": CpuAttentionPlan.build(**mixed, **common),  # type: ignore[arg-type]
+    }
+    decode_only = {
+        "slots": np.array([3, 9], dtype=np.int64),
+        "block_tables": np.array([[0, 2], [1, 2]], dtype=np.int32),
+        "seq_lens": np.array([4, 6], dtype=np.int64),
+        "query_start_loc": np.array([0, 1, 2], dtype=np.int64),
+        "block_size": 4,
+    }
+    plans["decode native"] = CpuAttentionPlan.build(**decode_only, **common, native=kernel)  # type: ignore[arg-type]
+    plans["decode torch"] = CpuAttentionPlan.build(**decode_only, **common)  # type: ignore[arg-type]
+    windowed = {name: plan.handles(8, None) for name, plan in plans.items()}
+    capped = {name: plan.handles(None, 30.0) for name, plan in plans.items()}
+    expected = {"mixed native": False, "mixed torch": False, "decode native": True}
+    assert windowed == capped == {**expected, "decode torch": False}
+    assert all(plan.handles(None, None) for plan in plans.values())
+    pool = torch.zeros(3, 4, 1, 8)
+    with pytest.raises(ValueError, match="no sliding window or soft-cap"):
+        plans["mixed native"].attend(torch.zeros(20, 1, 8), pool, pool.clone(), 1.0, 8)
 
 
 def test_plan_refuses_indices_outside_the_pool(kernel: native.PagedDecode) -> None:

@@ -126,7 +126,7 @@ class PagedDecode:
         fn = library.quire_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
-        fn.argtypes += [_P, _I]
+        fn.argtypes += [_I, ctypes.c_float, _P, _I]
         self._fn = fn
 
     def __call__(
@@ -140,9 +140,17 @@ class PagedDecode:
         scale: float,
         out: torch.Tensor,  # [T, heads, D] fp32, contiguous
         num_threads: int = 1,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Write rows ``rows`` of ``out``. The caller guarantees each ``lens[i]`` is in
-        ``1 .. W * block_size``, each used block id is in the pool and each row is below T."""
+        ``1 .. W * block_size``, each used block id is in the pool and each row is below T.
+        ``sliding_window``: each query sees its last that many positions; ``softcap``: scores
+        are ``softcap * tanh(scale * q.k / softcap)``."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if softcap is not None and not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap must be positive and finite, got {softcap}")
         n = len(rows)
         _, heads, head_dim = q.shape
         _, block_size, kv_heads, kv_dim = k_cache.shape
@@ -165,7 +173,8 @@ class PagedDecode:
         failed = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
             rows.ctypes.data, tables.ctypes.data, tables.shape[1], lens.ctypes.data, n,
-            block_size, heads, kv_heads, head_dim, scale, out.data_ptr(), num_threads,
+            block_size, heads, kv_heads, head_dim, scale, sliding_window or 0, softcap or 0.0,
+            out.data_ptr(), num_threads,
         )  # fmt: skip
         if failed:
             raise MemoryError("native decode: could not allocate its scratch scores")

@@ -19,6 +19,10 @@ writes only model K/V into them):
 * sequences with several query tokens one by one, with a causal mask shifted by their cached
   prefix.
 
+Layers with a sliding window or a logit soft-cap are served here only in steps whose every row
+is a native decode row (``handles``), through the kernel's window and soft-cap; in other steps
+the caller runs the reference for them.
+
 The plan trusts its inputs (the runner built them from the scheduler's output); external callers
 use ``paged_attention_reference``, which checks them. Before a native call it still checks that
 every block id is inside the pool and every length inside its table row: an index error there
@@ -153,21 +157,37 @@ class CpuAttentionPlan:
         k_cache.view(flat).index_copy_(0, self.slots, key.to(k_cache.dtype))
         v_cache.view(flat).index_copy_(0, self.slots, value.to(v_cache.dtype))
 
+    def handles(self, sliding_window: int | None, softcap: float | None) -> bool:
+        """Whether ``attend`` serves a layer with this window and soft-cap: plain causal layers
+        always; windowed or soft-capped ones when every row is a native decode row (the common
+        steady state; other steps take the reference, which honours both everywhere)."""
+        if sliding_window is None and softcap is None:
+            return True
+        return self.native is not None and not self.prefill
+
     def attend(
         self,
         q: torch.Tensor,  # [T, heads, D]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``[T, heads, D]`` in ``q.dtype``; K/V of the step must be written first."""
+        """``[T, heads, D]`` in ``q.dtype``; K/V of the step must be written first. A window or
+        soft-cap only where ``handles`` says so."""
+        if not self.handles(sliding_window, softcap):
+            raise ValueError("this plan's torch path has no sliding window or soft-cap")
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if (nd := self.native) is not None and len(nd.rows):
             if nd.max_block >= k_cache.shape[0]:
                 raise ValueError(f"block {nd.max_block} is outside a pool of {k_cache.shape[0]}")
             qn = q if q.stride(2) == 1 else q.contiguous()
-            nd.kernel(qn, k_cache, v_cache, nd.rows, nd.tables, nd.lens, scale, out, nd.num_threads)
+            nd.kernel(
+                qn, k_cache, v_cache, nd.rows, nd.tables, nd.lens, scale, out, nd.num_threads,
+                sliding_window, softcap,
+            )  # fmt: skip
         for c in self.decode:
             k = torch.index_select(k_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
             v = torch.index_select(v_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)

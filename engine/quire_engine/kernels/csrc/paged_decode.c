@@ -3,9 +3,11 @@
  *
  * Loaded by quire_engine/kernels/native.py (compiled on first use, cached per machine) and called
  * by CpuAttentionPlan for the decode rows of a step, once per layer. The semantics are those of
- * paged_attention_reference for a one-token query of plain causal attention: the query at
- * position len - 1 sees keys 0 .. len - 1 (no window, no soft-cap; those layers stay on the
- * reference). Results match it to rounding, not bit for bit (another summation order).
+ * paged_attention_reference for a one-token query: the query at position len - 1 sees keys
+ * 0 .. len - 1, or with a sliding window W > 0 keys max(0, len - W) .. len - 1 (blocks wholly
+ * before that are never read: a windowed model releases them); with a soft-cap c > 0 the scores
+ * are c * tanh(scale * q.k / c). Results match it to rounding, not bit for bit (another
+ * summation order).
  *
  * Layouts (all fp32 except the index arrays):
  *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
@@ -13,6 +15,7 @@
  *   rows     int64 [n]: the query/output row of each sequence
  *   tables   int32 [n, table_stride]: block ids, the first ceil(len / block_size) used
  *   lens     int64 [n]: context length including the step's token (>= 1)
+ *   window   0: none; softcap 0: none
  *   out      [T, heads, D] contiguous; only the n rows are written
  *
  * Grouped-query attention: query head hq reads KV head hq / (heads / kv_heads), as transformers'
@@ -63,22 +66,29 @@ static inline float exp_nonpositive(float x)
 }
 
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
-                       const int32_t *table, int64_t len, int64_t block_size, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, float scale, float *out,
-                       float *scores, float *row_max, float *row_sum, const int64_t *kv_of)
+                       const int32_t *table, int64_t len, int64_t first, int64_t block_size,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+                       float softcap, float *out, float *scores, float *row_max, float *row_sum,
+                       const int64_t *kv_of)
 {
     const int64_t token_stride = kv_heads * head_dim; /* floats between two tokens of a block */
+    const int64_t n = len - first;                     /* visible positions first .. len - 1 */
+    /* With a soft-cap the scores are c * tanh(scale * q.k / c) (transformers' order). */
+    const float pre = softcap > 0.0f ? scale / softcap : scale;
 
-    /* Pass 1: scores[hq][t] = scale * q_hq . k_t, block by block. A block holds every KV head of
-     * its tokens contiguously ([block_size, kv_heads, D]), so it is read front to back. */
-    for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t count = len - start < block_size ? len - start : block_size;
-        const float *kb = k + (int64_t)table[start / block_size] * block_size * token_stride;
-        float *sc = scores + start;
-        int64_t j = 0;
+    /* Pass 1: scores[hq][t - first] = pre * q_hq . k_t, block by block. A block holds every KV
+     * head of its tokens contiguously ([block_size, kv_heads, D]), so it is read front to back.
+     * Blocks wholly before `first` are never touched (a windowed model may have released them). */
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t base = b * block_size;
+        const int64_t lo = base < first ? first - base : 0;
+        const int64_t hi = len - base < block_size ? len - base : block_size;
+        const float *kb = k + (int64_t)table[b] * block_size * token_stride;
+        const int64_t off = base - first; /* token base + j has score off + j (>= 0 from lo) */
+        int64_t j = lo;
         /* Four tokens at a time: four independent accumulators keep the vector unit busy
          * (one dot's additions are a dependency chain). */
-        for (; j + 4 <= count; j += 4) {
+        for (; j + 4 <= hi; j += 4) {
             const float *kt = kb + j * token_stride;
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *qh = q + hq * q_head;
@@ -93,14 +103,14 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
                     d2 += qh[d] * k2[d];
                     d3 += qh[d] * k3[d];
                 }
-                float *row = sc + hq * len + j;
-                row[0] = d0 * scale;
-                row[1] = d1 * scale;
-                row[2] = d2 * scale;
-                row[3] = d3 * scale;
+                float *row = scores + hq * n + off + j;
+                row[0] = d0 * pre;
+                row[1] = d1 * pre;
+                row[2] = d2 * pre;
+                row[3] = d3 * pre;
             }
         }
-        for (; j < count; j++) {
+        for (; j < hi; j++) {
             const float *kt = kb + j * token_stride;
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *qh = q + hq * q_head;
@@ -109,24 +119,27 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; d++)
                     dot += qh[d] * kh[d];
-                sc[hq * len + j] = dot * scale;
+                scores[hq * n + off + j] = dot * pre;
             }
         }
     }
+    if (softcap > 0.0f)
+        for (int64_t i = 0; i < heads * n; i++)
+            scores[i] = softcap * tanhf(scores[i]);
     for (int64_t hq = 0; hq < heads; hq++) {
-        const float *p = scores + hq * len;
+        const float *p = scores + hq * n;
         float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++)
+        for (int64_t t = 0; t < n; t++)
             m = p[t] > m ? p[t] : m;
         row_max[hq] = m;
     }
     /* Softmax numerators in place; the division waits for the end (one per output element). */
     for (int64_t hq = 0; hq < heads; hq++) {
-        float *p = scores + hq * len;
+        float *p = scores + hq * n;
         const float m = row_max[hq];
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < n; t++) {
             p[t] = exp_nonpositive(p[t] - m);
             sum += p[t];
         }
@@ -134,16 +147,18 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
     }
     /* Pass 2: out_hq = sum_t p[hq][t] v_t / sum_t p[hq][t], the same block order. */
     memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t count = len - start < block_size ? len - start : block_size;
-        const float *vb = v + (int64_t)table[start / block_size] * block_size * token_stride;
-        const float *sc = scores + start;
-        int64_t j = 0;
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t base = b * block_size;
+        const int64_t lo = base < first ? first - base : 0;
+        const int64_t hi = len - base < block_size ? len - base : block_size;
+        const float *vb = v + (int64_t)table[b] * block_size * token_stride;
+        const int64_t off = base - first;
+        int64_t j = lo;
         /* Four tokens per pass over the output row: a quarter of the loads and stores of it. */
-        for (; j + 4 <= count; j += 4) {
+        for (; j + 4 <= hi; j += 4) {
             const float *vt = vb + j * token_stride;
             for (int64_t hq = 0; hq < heads; hq++) {
-                const float *p = sc + hq * len + j;
+                const float *p = scores + hq * n + off + j;
                 const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
                 const float *v0 = vt + kv_of[hq];
                 const float *v1 = v0 + token_stride, *v2 = v1 + token_stride;
@@ -154,10 +169,10 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
                     o[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d]);
             }
         }
-        for (; j < count; j++) {
+        for (; j < hi; j++) {
             const float *vt = vb + j * token_stride;
             for (int64_t hq = 0; hq < heads; hq++) {
-                const float p = sc[hq * len + j];
+                const float p = scores[hq * n + off + j];
                 const float *vh = vt + kv_of[hq];
                 float *o = out + hq * head_dim;
 #pragma omp simd
@@ -178,7 +193,7 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const floa
                        const float *v, const int64_t *rows, const int32_t *tables,
                        int64_t table_stride, const int64_t *lens, int64_t n, int64_t block_size,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                       float *out, int64_t num_threads)
+                       int64_t window, float softcap, float *out, int64_t num_threads)
 {
     int64_t max_len = 1;
     for (int64_t s = 0; s < n; s++)
@@ -205,8 +220,10 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const floa
         for (int64_t s = 0; s < n; s++) {
             if (scores == NULL)
                 continue;
-            decode_one(q + rows[s] * q_tok, q_head, k, v, tables + s * table_stride, lens[s],
-                       block_size, heads, kv_heads, head_dim, scale,
+            const int64_t len = lens[s];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            decode_one(q + rows[s] * q_tok, q_head, k, v, tables + s * table_stride, len, first,
+                       block_size, heads, kv_heads, head_dim, scale, softcap,
                        out + rows[s] * heads * head_dim, scores + 2 * heads, scores,
                        scores + heads, kv_of);
         }
