@@ -18,7 +18,7 @@ BENCHES = {
     "allocator": "paged KV pool vs a contiguous allocator at the same KV budget",
     "scheduler": "microseconds per schedule() step with many running sequences",
     "step": "microseconds per engine step with a stand-in forward (schedule, inputs, sampling)",
-    "kernel": "paged decode attention bandwidth vs torch SDPA (CUDA)",
+    "kernel": "paged decode attention bandwidth vs torch SDPA (CUDA; --device cpu: native)",
     "throughput": "offline throughput vs transformers static and continuous batching",
     "serve": "load generator against a running server: Poisson arrivals, TTFT/TPOT/ITL",
 }

@@ -792,6 +792,23 @@ def test_bench_kernel_defaults_and_errors() -> None:
             kernel_bench.run(args)
 
 
+def test_cpu_bench_kernel_small() -> None:
+    from quire_engine.kernels import native
+
+    if native.paged_decode() is None and os.environ.get("CI") != "true":
+        pytest.skip("no C compiler here to build the native decode kernel")
+    with pytest.raises(ValueError, match="--dtype fp32"):
+        kernel_bench.run(_bench_args("--device", "cpu"))  # bf16 by default
+    result = kernel_bench.run(
+        _bench_args("--device", "cpu", "--dtype", "fp32", "--batch", "3", "--context", "70",
+                    "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+                    "--warmup", "1", "--iters", "3")
+    )  # fmt: skip
+    assert result["max_abs_diff_vs_sdpa"] < 1e-5
+    assert result["bytes_per_call"] == 2 * 3 * 70 * 2 * 16 * 4 + 2 * 3 * 4 * 16 * 4
+    assert all(result[f"{n}_gbps"] > 0 for n in ("native", "torch_plan", "sdpa_contiguous"))
+
+
 @gpu
 @needs_cuda
 def test_cuda_bench_kernel_small() -> None:

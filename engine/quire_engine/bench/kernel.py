@@ -1,5 +1,10 @@
 """Decode attention bandwidth: the paged Triton kernel against torch SDPA on a contiguous cache.
 
+``--device cpu`` measures the engine's CPU decode path instead (fp32, ``--threads`` torch
+threads, wall-clock medians): the native kernel (``kernels/native``, blocks read in place)
+against the torch path it replaces (``CpuAttentionPlan`` without it: gather the blocks, then
+SDPA) and against SDPA over a contiguous cache, with the same byte count.
+
 Default shape (issue 3): 64 sequences decoding one token each over 2,048 cached positions, 32 query
 heads sharing 8 KV heads of size 128, bfloat16, 16-token blocks. Decode attention reads every
 cached K and V once and does little arithmetic per byte, so it is bandwidth-bound and the figure
@@ -19,13 +24,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from quire_engine.kernels import choose_num_splits, paged_attention, triton_usable
+from quire_engine.kernels import choose_num_splits, native, paged_attention, triton_usable
+from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -44,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peak-gbps", type=float, default=4800.0, help="GPU memory bandwidth peak (H200: 4800)"
     )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the native CPU kernel"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (--device cpu)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -83,6 +95,12 @@ def _validate(args: argparse.Namespace) -> None:
         )
     if args.warmup < 0 or args.peak_gbps <= 0:
         raise ValueError("--warmup must be >= 0 and --peak-gbps > 0")
+    if args.device == "cpu":
+        if args.dtype != "fp32" or args.threads < 1:
+            raise ValueError("--device cpu runs the native kernel: --dtype fp32, --threads >= 1")
+        if native.paged_decode() is None:
+            raise ValueError("--device cpu: the native kernel did not build (see the log)")
+        return
     if not torch.cuda.is_available():
         raise ValueError(
             "bench kernel needs a CUDA GPU and none is visible (torch.cuda.is_available() is "
@@ -92,8 +110,87 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("bench kernel needs triton with CUDA (is triton installed?)")
 
 
+def _median_wall_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _run_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    kernel = native.paged_decode()
+    assert kernel is not None  # _validate checked
+    batch, context, heads = args.batch, args.context, args.num_heads
+    kv_heads, head_dim, block_size = args.num_kv_heads, args.head_dim, args.block_size
+    gen = torch.Generator().manual_seed(args.seed)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).int()
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    lens = np.full(batch, context, dtype=np.int64)
+    plan_args = {
+        "slots": np.zeros(batch, dtype=np.int64),  # unused: nothing is written
+        "block_tables": tables.numpy(),
+        "seq_lens": lens,
+        "query_start_loc": np.arange(batch + 1, dtype=np.int64),
+        "block_size": block_size,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+    }
+    # Plans are built once: the engine builds one per step and replays it in every layer.
+    native_plan = CpuAttentionPlan.build(**plan_args, native=kernel, num_threads=args.threads)
+    torch_plan = CpuAttentionPlan.build(**plan_args)
+    k_contig = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    v_contig = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+
+    def sdpa() -> torch.Tensor:  # [batch, heads, D] over [batch, kv_heads, context, D]
+        return F.scaled_dot_product_attention(
+            q[:, :, None], k_contig, v_contig, scale=scale, enable_gqa=True
+        )[:, :, 0]
+
+    calls = {
+        "native": lambda: native_plan.attend(q, k_cache, v_cache, scale),
+        "torch_plan": lambda: torch_plan.attend(q, k_cache, v_cache, scale),
+        "sdpa_contiguous": sdpa,
+    }
+    reference = sdpa()
+    max_abs_diff = max((calls[n]() - reference).abs().max().item() for n in calls)
+    total_bytes = 2 * batch * context * kv_heads * head_dim * 4 + 2 * batch * heads * head_dim * 4
+    result: dict[str, Any] = {
+        "device": "cpu",
+        "dtype": "fp32",
+        "threads": args.threads,
+        "batch": batch,
+        "context": context,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "bytes_per_call": total_bytes,
+        "kernel_flags": " ".join(kernel.flags),
+    }
+    for name, fn in calls.items():
+        ms = _median_wall_ms(fn, args.warmup, args.iters)
+        result[f"{name}_ms"] = round(ms, 4)
+        result[f"{name}_gbps"] = round(total_bytes / (ms * 1e-3) / 1e9, 2)
+    result["native_speedup_vs_torch_plan"] = round(result["torch_plan_ms"] / result["native_ms"], 3)
+    result["native_speedup_vs_sdpa"] = round(result["sdpa_contiguous_ms"] / result["native_ms"], 3)
+    result["max_abs_diff_vs_sdpa"] = max_abs_diff
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _validate(args)
+    if args.device == "cpu":
+        return _run_cpu(args)
     device, dtype = torch.device("cuda"), DTYPES[args.dtype]
     batch, context, heads = args.batch, args.context, args.num_heads
     kv_heads, head_dim, block_size = args.num_kv_heads, args.head_dim, args.block_size
