@@ -65,6 +65,21 @@ static inline float exp_nonpositive(float x)
     return x != x ? x : (x < -87.3f ? 0.0f : value);
 }
 
+/* Hardware prefetchers stop at page boundaries, and the next block of a sequence is anywhere in
+ * the pool: without help every block starts with cache misses. While the kernel works on a
+ * group of tokens of one block, it prefetches the same tokens of the sequence's next block
+ * (`count` floats from `p`, one request per 64-byte line). */
+static inline void prefetch_floats(const float *p, int64_t count)
+{
+#if defined(__GNUC__)
+    for (int64_t i = 0; i < count; i += 16)
+        __builtin_prefetch(p + i, 0, 3);
+#else
+    (void)p;
+    (void)count;
+#endif
+}
+
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
                        const int32_t *table, int64_t len, int64_t first, int64_t block_size,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
@@ -85,11 +100,17 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
         const int64_t hi = len - base < block_size ? len - base : block_size;
         const float *kb = k + (int64_t)table[b] * block_size * token_stride;
         const int64_t off = base - first; /* token base + j has score off + j (>= 0 from lo) */
+        /* The next block's K (NULL after the last block). */
+        const float *kn = (b + 1) * block_size < len
+                              ? k + (int64_t)table[b + 1] * block_size * token_stride
+                              : NULL;
         int64_t j = lo;
         /* Four tokens at a time: four independent accumulators keep the vector unit busy
          * (one dot's additions are a dependency chain). */
         for (; j + 4 <= hi; j += 4) {
             const float *kt = kb + j * token_stride;
+            if (kn != NULL)
+                prefetch_floats(kn + j * token_stride, 4 * token_stride);
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *qh = q + hq * q_head;
                 const float *k0 = kt + kv_of[hq];
@@ -112,6 +133,8 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
         }
         for (; j < hi; j++) {
             const float *kt = kb + j * token_stride;
+            if (kn != NULL)
+                prefetch_floats(kn + j * token_stride, token_stride);
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *qh = q + hq * q_head;
                 const float *kh = kt + kv_of[hq];
@@ -153,10 +176,15 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
         const int64_t hi = len - base < block_size ? len - base : block_size;
         const float *vb = v + (int64_t)table[b] * block_size * token_stride;
         const int64_t off = base - first;
+        const float *vn = (b + 1) * block_size < len
+                              ? v + (int64_t)table[b + 1] * block_size * token_stride
+                              : NULL;
         int64_t j = lo;
         /* Four tokens per pass over the output row: a quarter of the loads and stores of it. */
         for (; j + 4 <= hi; j += 4) {
             const float *vt = vb + j * token_stride;
+            if (vn != NULL)
+                prefetch_floats(vn + j * token_stride, 4 * token_stride);
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *p = scores + hq * n + off + j;
                 const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
@@ -171,6 +199,8 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
         }
         for (; j < hi; j++) {
             const float *vt = vb + j * token_stride;
+            if (vn != NULL)
+                prefetch_floats(vn + j * token_stride, token_stride);
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float p = scores[hq * n + off + j];
                 const float *vh = vt + kv_of[hq];
