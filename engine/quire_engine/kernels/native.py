@@ -50,6 +50,9 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-fopenmp-simd",),
     (),
 )
+# The environment variables this module reads (QUIRE_* names that are not serve flags; the
+# Dockerfile test checks every QUIRE_* variable the image sets against serve flags and these).
+ENV_VARS = ("QUIRE_KERNEL_CACHE", "QUIRE_NATIVE_KERNELS")
 _BASE_FLAGS = ("-O3", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
