@@ -26,6 +26,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,61 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("bench kernel needs triton with CUDA (is triton installed?)")
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """One decode batch over a shuffled paged pool, and the same cache laid out contiguously."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [batch, blocks_per_seq]: a random permutation of blocks
+    q: torch.Tensor  # [batch, heads, D]: one decode token per sequence
+    k_contig: torch.Tensor  # [batch, kv_heads, context, D]
+    v_contig: torch.Tensor
+    scale: float
+
+
+def _problem(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> _Problem:
+    batch, context, block_size = args.batch, args.context, args.block_size
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    k_cache = randn(num_blocks, block_size, args.num_kv_heads, args.head_dim)
+    v_cache = randn(num_blocks, block_size, args.num_kv_heads, args.head_dim)
+    block_tables = (  # each sequence's blocks lie anywhere in the pool
+        torch.randperm(num_blocks, generator=gen, device=device)
+        .view(batch, blocks_per_seq)
+        .to(torch.int32)
+    )
+    q = randn(batch, args.num_heads, args.head_dim)
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:  # -> [batch, kv_heads, context, D]
+        gathered = cache[block_tables.long()].flatten(1, 2)[:, :context]
+        return gathered.transpose(1, 2).contiguous()
+
+    return _Problem(
+        k_cache, v_cache, block_tables, q, contiguous(k_cache), contiguous(v_cache),
+        args.head_dim**-0.5,
+    )  # fmt: skip
+
+
+def _shape(args: argparse.Namespace, elem: int) -> dict[str, Any]:
+    """The fields both devices report, with the byte count of one call (see the docstring)."""
+    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * elem
+    return {
+        "batch": args.batch,
+        "context": args.context,
+        "num_heads": args.num_heads,
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "block_size": args.block_size,
+        "bytes_per_call": kv_bytes + 2 * args.batch * args.num_heads * args.head_dim * elem,
+    }
+
+
 def _median_wall_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
@@ -125,35 +181,25 @@ def _run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     kernel = native.paged_decode()
     assert kernel is not None  # _validate checked
-    batch, context, heads = args.batch, args.context, args.num_heads
-    kv_heads, head_dim, block_size = args.num_kv_heads, args.head_dim, args.block_size
-    gen = torch.Generator().manual_seed(args.seed)
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).int()
-    q = torch.randn(batch, heads, head_dim, generator=gen)
-    scale = head_dim**-0.5
-    lens = np.full(batch, context, dtype=np.int64)
+    pb = _problem(args, torch.device("cpu"), torch.float32)
+    batch = args.batch
     plan_args = {
         "slots": np.zeros(batch, dtype=np.int64),  # unused: nothing is written
-        "block_tables": tables.numpy(),
-        "seq_lens": lens,
+        "block_tables": pb.block_tables.numpy(),
+        "seq_lens": np.full(batch, args.context, dtype=np.int64),
         "query_start_loc": np.arange(batch + 1, dtype=np.int64),
-        "block_size": block_size,
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
+        "block_size": args.block_size,
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
     }
     # Plans are built once: the engine builds one per step and replays it in every layer.
     native_plan = CpuAttentionPlan.build(**plan_args, native=kernel, num_threads=args.threads)
     torch_plan = CpuAttentionPlan.build(**plan_args)
-    k_contig = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    v_contig = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    q, k_cache, v_cache, scale = pb.q, pb.k_cache, pb.v_cache, pb.scale
 
     def sdpa() -> torch.Tensor:  # [batch, heads, D] over [batch, kv_heads, context, D]
         return F.scaled_dot_product_attention(
-            q[:, :, None], k_contig, v_contig, scale=scale, enable_gqa=True
+            q[:, :, None], pb.k_contig, pb.v_contig, scale=scale, enable_gqa=True
         )[:, :, 0]
 
     calls = {
@@ -163,24 +209,18 @@ def _run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     }
     reference = sdpa()
     max_abs_diff = max((calls[n]() - reference).abs().max().item() for n in calls)
-    total_bytes = 2 * batch * context * kv_heads * head_dim * 4 + 2 * batch * heads * head_dim * 4
+    shape = _shape(args, 4)
     result: dict[str, Any] = {
         "device": "cpu",
         "dtype": "fp32",
         "threads": args.threads,
-        "batch": batch,
-        "context": context,
-        "num_heads": heads,
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "block_size": block_size,
-        "bytes_per_call": total_bytes,
+        **shape,
         "kernel_flags": " ".join(kernel.flags),
     }
     for name, fn in calls.items():
         ms = _median_wall_ms(fn, args.warmup, args.iters)
         result[f"{name}_ms"] = round(ms, 4)
-        result[f"{name}_gbps"] = round(total_bytes / (ms * 1e-3) / 1e9, 2)
+        result[f"{name}_gbps"] = round(shape["bytes_per_call"] / (ms * 1e-3) / 1e9, 2)
     result["native_speedup_vs_torch_plan"] = round(result["torch_plan_ms"] / result["native_ms"], 3)
     result["native_speedup_vs_sdpa"] = round(result["sdpa_contiguous_ms"] / result["native_ms"], 3)
     result["max_abs_diff_vs_sdpa"] = max_abs_diff
@@ -192,32 +232,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cpu":
         return _run_cpu(args)
     device, dtype = torch.device("cuda"), DTYPES[args.dtype]
-    batch, context, heads = args.batch, args.context, args.num_heads
-    kv_heads, head_dim, block_size = args.num_kv_heads, args.head_dim, args.block_size
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
-
-    k_cache = randn(num_blocks, block_size, kv_heads, head_dim)  # [blocks, bs, kv_heads, D]
-    v_cache = randn(num_blocks, block_size, kv_heads, head_dim)
-    block_tables = (  # a random permutation: each sequence's blocks lie anywhere in the pool
-        torch.randperm(num_blocks, generator=gen, device=device)
-        .view(batch, blocks_per_seq)
-        .to(torch.int32)
-    )
+    batch, context, kv_heads = args.batch, args.context, args.num_kv_heads
+    pb = _problem(args, device, dtype)
+    q, k_cache, v_cache, block_tables, scale = (
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.scale
+    )  # fmt: skip
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    q = randn(batch, heads, head_dim)  # one decode token per sequence
-    scale = head_dim**-0.5
-
-    def contiguous(cache: torch.Tensor) -> torch.Tensor:  # -> [batch, kv_heads, context, D]
-        gathered = cache[block_tables.long()].flatten(1, 2)[:, :context]
-        return gathered.transpose(1, 2).contiguous()
-
-    k_contig, v_contig = contiguous(k_cache), contiguous(v_cache)
     q_sdpa = q[:, :, None, :]  # [batch, heads, 1, D]
     num_splits = args.num_splits or choose_num_splits(
         batch, kv_heads, 1, context, torch.cuda.get_device_properties(device).multi_processor_count
@@ -231,30 +252,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q_sdpa, k_contig, v_contig, scale=scale, enable_gqa=True
+            q_sdpa, pb.k_contig, pb.v_contig, scale=scale, enable_gqa=True
         )
 
     max_abs_diff = (paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
     paged_ms = _median_ms(paged, args.warmup, args.iters)
     sdpa_ms = _median_ms(sdpa, args.warmup, args.iters)
-    elem = torch.finfo(dtype).bits // 8
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * elem
-    total_bytes = kv_bytes + 2 * batch * heads * head_dim * elem
+    shape = _shape(args, torch.finfo(dtype).bits // 8)
 
     def gbps(ms: float) -> float:
-        return total_bytes / (ms * 1e-3) / 1e9
+        return shape["bytes_per_call"] / (ms * 1e-3) / 1e9
 
     return {
         "device": torch.cuda.get_device_name(device),
         "dtype": args.dtype,
-        "batch": batch,
-        "context": context,
-        "num_heads": heads,
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "block_size": block_size,
+        **shape,
         "num_splits": num_splits,
-        "bytes_per_call": total_bytes,
         "peak_gbps": args.peak_gbps,
         "paged_ms": round(paged_ms, 4),
         "paged_gbps": round(gbps(paged_ms), 1),

@@ -125,7 +125,6 @@ class PagedDecode:
     def __init__(self, library: ctypes.CDLL, path: Path, flags: tuple[str, ...]) -> None:
         self.path = path
         self.flags = flags
-        self.threaded = "-fopenmp" in flags
         fn = library.quire_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]

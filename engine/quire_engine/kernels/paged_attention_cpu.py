@@ -223,14 +223,9 @@ def _native_decode(
     block_size: int,
     num_threads: int,
 ) -> _NativeDecode:
-    if len(decode) == len(block_tables):  # a pure decode step: every row, no copies
-        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-        rows = query_start_loc[:-1].astype(np.int64)
-        lens = seq_lens.astype(np.int64)
-    else:
-        tables = np.ascontiguousarray(block_tables[decode], dtype=np.int32)
-        rows = query_start_loc[:-1][decode].astype(np.int64)
-        lens = seq_lens[decode].astype(np.int64)
+    tables = np.ascontiguousarray(block_tables[decode], dtype=np.int32)
+    rows = query_start_loc[:-1][decode].astype(np.int64)
+    lens = seq_lens[decode].astype(np.int64)
     if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
         raise ValueError(f"decode lengths {lens.tolist()} outside their block tables")
     max_block = int(tables.max()) if tables.size else 0

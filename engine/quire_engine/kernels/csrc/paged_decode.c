@@ -80,6 +80,29 @@ static inline void prefetch_floats(const float *p, int64_t count)
 #endif
 }
 
+/* Block b of a sequence whose visible positions are first .. len - 1: its tokens lo .. hi - 1
+ * are visible, token j has score index base - first + j, and `next` is the start of the
+ * sequence's next block in `pool` (NULL after the last one, for the prefetch). */
+struct span {
+    int64_t lo, hi, off;
+    const float *block, *next;
+};
+
+static inline struct span block_span(const float *pool, const int32_t *table, int64_t b,
+                                     int64_t first, int64_t len, int64_t block_size,
+                                     int64_t token_stride)
+{
+    const int64_t base = b * block_size;
+    const int64_t block_floats = block_size * token_stride;
+    struct span sp;
+    sp.lo = base < first ? first - base : 0;
+    sp.hi = len - base < block_size ? len - base : block_size;
+    sp.off = base - first; /* >= -lo, so off + j >= 0 for every visible j */
+    sp.block = pool + (int64_t)table[b] * block_floats;
+    sp.next = base + block_size < len ? pool + (int64_t)table[b + 1] * block_floats : NULL;
+    return sp;
+}
+
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
                        const int32_t *table, int64_t len, int64_t first, int64_t block_size,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
@@ -95,16 +118,10 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
      * head of its tokens contiguously ([block_size, kv_heads, D]), so it is read front to back.
      * Blocks wholly before `first` are never touched (a windowed model may have released them). */
     for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const int64_t base = b * block_size;
-        const int64_t lo = base < first ? first - base : 0;
-        const int64_t hi = len - base < block_size ? len - base : block_size;
-        const float *kb = k + (int64_t)table[b] * block_size * token_stride;
-        const int64_t off = base - first; /* token base + j has score off + j (>= 0 from lo) */
-        /* The next block's K (NULL after the last block). */
-        const float *kn = (b + 1) * block_size < len
-                              ? k + (int64_t)table[b + 1] * block_size * token_stride
-                              : NULL;
-        int64_t j = lo;
+        const struct span sp = block_span(k, table, b, first, len, block_size, token_stride);
+        const int64_t hi = sp.hi, off = sp.off;
+        const float *kb = sp.block, *kn = sp.next;
+        int64_t j = sp.lo;
         /* Four tokens at a time: four independent accumulators keep the vector unit busy
          * (one dot's additions are a dependency chain). */
         for (; j + 4 <= hi; j += 4) {
@@ -171,15 +188,10 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
     /* Pass 2: out_hq = sum_t p[hq][t] v_t / sum_t p[hq][t], the same block order. */
     memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const int64_t base = b * block_size;
-        const int64_t lo = base < first ? first - base : 0;
-        const int64_t hi = len - base < block_size ? len - base : block_size;
-        const float *vb = v + (int64_t)table[b] * block_size * token_stride;
-        const int64_t off = base - first;
-        const float *vn = (b + 1) * block_size < len
-                              ? v + (int64_t)table[b + 1] * block_size * token_stride
-                              : NULL;
-        int64_t j = lo;
+        const struct span sp = block_span(v, table, b, first, len, block_size, token_stride);
+        const int64_t hi = sp.hi, off = sp.off;
+        const float *vb = sp.block, *vn = sp.next;
+        int64_t j = sp.lo;
         /* Four tokens per pass over the output row: a quarter of the loads and stores of it. */
         for (; j + 4 <= hi; j += 4) {
             const float *vt = vb + j * token_stride;
