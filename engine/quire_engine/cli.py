@@ -19,6 +19,7 @@ BENCHES = {
     "scheduler": "microseconds per schedule() step with many running sequences",
     "step": "microseconds per engine step with a stand-in forward (schedule, inputs, sampling)",
     "kernel": "paged decode attention bandwidth vs torch SDPA (CUDA; --device cpu: native)",
+    "linear": "small-batch CPU matmuls: the native few-row linear vs torch's BLAS",
     "throughput": "offline throughput vs transformers static and continuous batching",
     "serve": "load generator against a running server: Poisson arrivals, TTFT/TPOT/ITL",
 }

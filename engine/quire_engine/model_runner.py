@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from quire_engine import attention
-from quire_engine.kernels import native, triton_usable
+from quire_engine.kernels import linear_cpu, native, triton_usable
 from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
 from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 from quire_engine.scheduler import SchedulerOutput
@@ -86,6 +86,13 @@ class ModelRunner:
             if device.type == "cpu" and not self.use_triton and shape.dtype == torch.float32
             else None
         )
+        # Matmuls of a few rows (small-batch decode) through the native kernel on CPU: the BLAS
+        # packs each weight before using it, the kernel streams it once. fp32 weights only.
+        self.native_linears = 0
+        if device.type == "cpu" and not self.use_triton:
+            kernel = native.skinny_linear()
+            if kernel is not None:
+                self.native_linears = linear_cpu.install(model, kernel)
         block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
         # Zero-initialised: padded reads past a sequence's end must see finite values.
         # Per layer: [num_blocks, block_size, kv_heads, head_dim].

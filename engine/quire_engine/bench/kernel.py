@@ -166,7 +166,8 @@ def _shape(args: argparse.Namespace, elem: int) -> dict[str, Any]:
     }
 
 
-def _median_wall_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+def median_wall_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median wall-clock ms of ``iters`` calls after ``warmup`` (CPU work: no device sync)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -218,7 +219,7 @@ def _run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "kernel_flags": " ".join(kernel.flags),
     }
     for name, fn in calls.items():
-        ms = _median_wall_ms(fn, args.warmup, args.iters)
+        ms = median_wall_ms(fn, args.warmup, args.iters)
         result[f"{name}_ms"] = round(ms, 4)
         result[f"{name}_gbps"] = round(shape["bytes_per_call"] / (ms * 1e-3) / 1e9, 2)
     result["native_speedup_vs_torch_plan"] = round(result["torch_plan_ms"] / result["native_ms"], 3)

@@ -1,26 +1,31 @@
-"""The engine's native CPU kernel: paged decode attention in C, compiled on first use.
+"""The engine's native CPU kernels in C, compiled on first use into one shared library:
 
-On CPU the torch path has to gather a sequence's scattered blocks into a contiguous, padded copy
-before SDPA can read them, so decode attention moves each K/V byte three times (read, write,
-read again) and pays for padding. ``csrc/paged_decode.c`` reads the blocks where they lie, once
-(vLLM's CPU backend does the same with C++ kernels; on CUDA the Triton kernel does it).
+* ``csrc/paged_decode.c``: paged decode attention. On CPU the torch path has to gather a
+  sequence's scattered blocks into a contiguous, padded copy before SDPA can read them, so
+  decode attention moves each K/V byte three times (read, write, read again) and pays for
+  padding; the kernel reads the blocks where they lie, once (vLLM's CPU backend does the same
+  with C++ kernels; on CUDA the Triton kernel does it).
+* ``csrc/skinny_linear.c``: ``nn.Linear`` for a few rows (small-batch decode), where a BLAS
+  sgemm's packing of the weight doubles the memory traffic that bounds the call
+  (``linear_cpu`` routes the calls).
 
 Build and cache (the same approach as Triton's launchers and torch's inline extensions):
 
-* the source is compiled with the C compiler in ``$CC`` (else ``cc``, else ``gcc``) with
-  ``-O3 -march=native`` and OpenMP when the compiler has it (without it the kernel runs on one
+* the sources are compiled with the C compiler in ``$CC`` (else ``cc``, else ``gcc``) with
+  ``-O3 -march=native`` and OpenMP when the compiler has it (without it the kernels run on one
   thread); each flag set is tried in turn until one builds;
 * the shared object is cached under ``$QUIRE_KERNEL_CACHE`` (default
   ``$XDG_CACHE_HOME/quire/kernels``, i.e. ``~/.cache/quire/kernels``), named by a hash of the
-  source, the compiler's version, the flags and this CPU's model and feature flags, so a cache
+  sources, the compiler's version, the flags and this CPU's model and feature flags, so a cache
   shared by machines of different CPU types never loads code built for another one; it is
   written to a temporary name and renamed, so concurrent first starts cannot load half a file;
-* ``QUIRE_NATIVE_KERNELS=0`` turns it off. Without a compiler, or when the build fails, the
-  engine logs one warning and runs the torch path: slower, same results to rounding.
+* ``QUIRE_NATIVE_KERNELS=0`` turns them off. Without a compiler, or when the build fails, the
+  engine logs one warning and runs the torch paths: slower, same results to rounding.
 
 Ownership: this module owns the compiled library (one per process, loaded once) and checks every
-tensor's dtype, shape and strides before a pointer crosses into C; the caller
-(``CpuAttentionPlan``) owns the index arrays and checks they stay inside the pool.
+tensor's dtype, shape and strides before a pointer crosses into C; the callers
+(``CpuAttentionPlan``, ``linear_cpu``) own the index arrays and the routing, and the plan checks
+that its indices stay inside the pool.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +47,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = (_CSRC / "paged_decode.c", _CSRC / "skinny_linear.c")  # one library, built together
 # Tried in order; the first that compiles is used. OpenMP lets a step's sequences spread over
 # torch's thread count; -march=native turns on the CPU's vector units (AVX2/AVX-512/NEON).
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
@@ -100,12 +107,12 @@ def _version(cc: str) -> str:
 
 
 def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile ``SOURCE`` into ``target`` atomically; None on success, else the compiler's
+    """Compile ``SOURCES`` into ``target`` atomically; None on success, else the compiler's
     complaint."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
     os.close(fd)
     try:
-        cmd = [cc, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *_BASE_FLAGS, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -119,13 +126,23 @@ def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
             os.unlink(tmp)
 
 
+@dataclass(frozen=True, slots=True)
+class Library:
+    """The loaded shared object of every native kernel, with where it lies and the flags that
+    built it."""
+
+    cdll: ctypes.CDLL
+    path: Path
+    flags: tuple[str, ...]
+
+
 class PagedDecode:
     """The loaded ``quire_paged_decode`` symbol with its checked Python signature."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path, flags: tuple[str, ...]) -> None:
-        self.path = path
-        self.flags = flags
-        fn = library.quire_paged_decode
+    def __init__(self, lib: Library) -> None:
+        self.path = lib.path
+        self.flags = lib.flags
+        fn = lib.cdll.quire_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
         fn.argtypes += [_I, ctypes.c_float, _P, _I]
@@ -182,21 +199,87 @@ class PagedDecode:
             raise MemoryError("native decode: could not allocate its scratch scores")
 
 
+class SkinnyLinear:
+    """The loaded ``quire_skinny_linear`` symbol with its checked Python signature."""
+
+    def __init__(self, lib: Library) -> None:
+        self.path = lib.path
+        fn = lib.cdll.quire_skinny_linear
+        fn.restype = None
+        fn.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I, _I]
+        self._fn = fn
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [M, K] fp32, K contiguous
+        weight: torch.Tensor,  # [N, K] fp32, contiguous
+        bias: torch.Tensor | None,  # [N] fp32, contiguous
+        out: torch.Tensor,  # [M, N] fp32, N contiguous
+        num_threads: int = 1,
+    ) -> None:
+        """``out = x @ weight.T + bias``, every element summed in an order that depends only on
+        K (the same bits for a row whatever the other rows)."""
+        if x.dim() != 2 or weight.dim() != 2 or out.dim() != 2:
+            raise ValueError("native linear: x [M, K], weight [N, K] and out [M, N]")
+        (m, k), (n, k_w) = x.shape, weight.shape
+        if k_w != k or tuple(out.shape) != (m, n):
+            raise ValueError(
+                f"native linear: x {tuple(x.shape)} @ weight {tuple(weight.shape)}.T does not "
+                f"fit out {tuple(out.shape)}"
+            )
+        tensors = [x, weight, out] if bias is None else [x, weight, out, bias]
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            raise ValueError("native linear runs on CPU fp32 tensors")
+        if not weight.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1:
+            raise ValueError("native linear needs a contiguous weight and K/N-contiguous rows")
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"native linear: bias must be [{n}] and contiguous")
+        if m == 0 or n == 0:
+            return
+        self._fn(
+            x.data_ptr(), x.stride(0), m, weight.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, out.data_ptr(), out.stride(0),
+            num_threads,
+        )  # fmt: skip
+
+
 @functools.cache
 def paged_decode() -> PagedDecode | None:
-    """The native decode kernel, built or loaded once per process; None when it is turned off,
-    or no compiler can build it (logged once)."""
+    """The native decode kernel, or None when the native kernels are off or cannot be built."""
+    lib = library()
+    return None if lib is None else PagedDecode(lib)
+
+
+@functools.cache
+def skinny_linear() -> SkinnyLinear | None:
+    """The native few-row linear, or None when the native kernels are off or cannot be built."""
+    lib = library()
+    return None if lib is None else SkinnyLinear(lib)
+
+
+def reset() -> None:
+    """Forget the loaded library and kernels, so that the next call builds or loads them again
+    under the current environment (tests; a process that changed ``QUIRE_*`` or ``CC``)."""
+    for cached in (library, paged_decode, skinny_linear):
+        cached.cache_clear()
+
+
+@functools.cache
+def library() -> Library | None:
+    """The native kernels' library, built or loaded once per process; None when it is turned
+    off, or no compiler can build it (logged once)."""
     if not enabled():
-        logger.info("native CPU kernels off (QUIRE_NATIVE_KERNELS); decode uses the torch path")
+        logger.info("native CPU kernels off (QUIRE_NATIVE_KERNELS); the torch paths run")
         return None
     cc = compiler()
     if cc is None:
         logger.warning(
-            "no C compiler (set CC, or install gcc): CPU decode attention uses the slower torch "
-            "path"
+            "no C compiler (set CC, or install gcc): CPU decode attention and small-batch "
+            "matmuls use the slower torch paths"
         )
         return None
-    identity = [SOURCE.read_bytes(), _version(cc).encode(), _cpu_identity().encode()]
+    identity = [*(src.read_bytes() for src in SOURCES), _version(cc).encode()]
+    identity.append(_cpu_identity().encode())
     identity.append(platform.machine().encode())
     directory = cache_dir()
     try:
@@ -210,22 +293,22 @@ def paged_decode() -> PagedDecode | None:
     for flags in FLAG_SETS:
         flag_text = " ".join(_BASE_FLAGS + flags).encode()
         key = hashlib.sha256(b"\0".join([*identity, flag_text])).hexdigest()[:20]
-        target = directory / f"paged_decode-{key}.so"
+        target = directory / f"quire_native-{key}.so"
         if not target.exists():
             problem = _build(cc, flags, target)
             if problem is not None:
                 errors.append(f"{' '.join(flags) or '(no flags)'}: {problem}")
                 continue
         try:
-            library = ctypes.CDLL(str(target))
+            cdll = ctypes.CDLL(str(target))
         except OSError as exc:
             errors.append(f"{target}: {exc}")
             continue
-        logger.info("native CPU decode attention: %s (%s)", target, " ".join(flags))
-        return PagedDecode(library, target, flags)
+        logger.info("native CPU kernels: %s (%s)", target, " ".join(flags))
+        return Library(cdll, target, flags)
     logger.warning(
-        "could not build the native CPU decode kernel with %s; decode uses the slower torch "
-        "path:\n%s",
+        "could not build the native CPU kernels with %s; decode attention and small-batch "
+        "matmuls use the slower torch paths:\n%s",
         cc,
         "\n".join(errors),
     )
