@@ -137,6 +137,23 @@ def test_router_sends_few_fp32_rows_to_the_kernel_and_the_rest_to_torch(
         kernel._fn = real  # type: ignore[assignment]
 
 
+class _Scaled(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_router_leaves_linears_with_another_forward_alone(kernel: native.SkinnyLinear) -> None:
+    hooked = torch.nn.Linear(4, 4)
+    hooked.forward = lambda x: x  # type: ignore[method-assign]  # e.g. an offload hook
+    model = torch.nn.Sequential(_Scaled(4, 4), hooked, torch.nn.Linear(4, 4))
+    assert linear_cpu.install(model, kernel) == 1
+    assert [linear_cpu.routed(m) for m in model] == [False, False, True]
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        assert torch.equal(model[0](x), 2 * F.linear(x, model[0].weight, model[0].bias))
+        assert model[1](x) is x
+
+
 def test_engine_runner_routes_its_linears_on_cpu(kernel: native.SkinnyLinear) -> None:
     from quire_engine import LLM, SamplingParams
 

@@ -45,6 +45,7 @@ class _Routed:
         if (
             not 0 < rows <= MAX_ROWS
             or x.dtype != torch.float32
+            or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
             return F.linear(x, weight, bias)
@@ -58,10 +59,18 @@ class _Routed:
 
 def install(model: torch.nn.Module, kernel: SkinnyLinear) -> int:
     """Route ``model``'s fp32 CPU ``nn.Linear`` modules with contiguous weights through
-    ``kernel`` for calls of at most ``MAX_ROWS`` rows; returns how many were routed."""
+    ``kernel`` for calls of at most ``MAX_ROWS`` rows; returns how many were routed.
+
+    Only modules whose forward is ``nn.Linear``'s own: a subclass with its own forward (LoRA,
+    scaled or quantized linears) or a module whose forward something else already replaced
+    (e.g. accelerate's offload hooks) computes something else, and is left alone."""
     routed = 0
     for module in model.modules():
-        if not isinstance(module, torch.nn.Linear) or isinstance(module.forward, _Routed):
+        if (
+            not isinstance(module, torch.nn.Linear)
+            or type(module).forward is not torch.nn.Linear.forward
+            or "forward" in vars(module)
+        ):
             continue
         w, b = module.weight, module.bias
         tensors = [w] if b is None else [w, b]
