@@ -4,14 +4,14 @@ A decode step of a few sequences multiplies a handful of rows by every weight of
 its matmuls are bound by streaming the weights from memory. A BLAS sgemm first packs panels of
 the weight into scratch, which at 2-16 rows costs about as much again; ``csrc/skinny_linear.c``
 reads each weight once, in place. Measured on one core (AMD EPYC, the 32.5M Llama's 64 weights
-cold in memory, ``quire-engine bench linear``): 1.5-1.7x MKL's time saved at 2-12
-rows, 1.2-1.3x at 16, parity at 1 (MKL's gemv streams well), slower from ~32, hence
-``MAX_ROWS``.
+cold in memory, ``quire-engine bench linear``): 1.3-1.6x faster than MKL at 2-12 rows, 1.1x at
+16, parity at 1 (MKL's gemv streams well) and at 24, slower from 32, hence ``MAX_ROWS``.
 
 Rows above ``MAX_ROWS``, other dtypes, autograd, and modules whose weight the kernel cannot
 read (not fp32, not contiguous, not on CPU) go to ``torch.nn.functional.linear`` unchanged.
 Inside the range every output element is summed in an order that depends only on the input
-width, so a sequence's logits are the same bits whether it is decoded alone or with 15 others.
+width, so in a step of at most 16 rows a sequence's matmul results are the same bits whatever
+other sequences share the step.
 
 Ownership: ``install`` sets an instance ``forward`` on each routed ``nn.Linear`` of the one
 model it is given (the class, its hooks and other models are untouched); the module keeps its

@@ -6,7 +6,7 @@
  * nn.Linear forwards with at most linear_cpu.MAX_ROWS rows. Why not the BLAS: a general sgemm
  * packs panels of W into a scratch buffer before it multiplies, which at a handful of rows
  * doubles the memory traffic that bounds the call (measured with MKL on one core: 2 rows cost
- * 1.5x one row; `quire-engine bench linear`). Here every element of W is read
+ * 1.6x one row; `quire-engine bench linear`). Here every element of W is read
  * once, straight from the weight, and used for every row of x while it is in registers.
  *
  * Layouts (fp32):
