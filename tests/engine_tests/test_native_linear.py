@@ -154,6 +154,20 @@ def test_router_leaves_linears_with_another_forward_alone(kernel: native.SkinnyL
         assert model[1](x) is x
 
 
+def test_router_rechecks_the_weight_and_width_at_every_call(kernel: native.SkinnyLinear) -> None:
+    lin = torch.nn.Linear(6, 5)
+    assert linear_cpu.install(lin, kernel) == 1
+    x = torch.randn(3, 6)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError):  # a wrong width: torch's own error, never a C read
+            lin(torch.randn(3, 7))
+        lin.double()  # float64 in place (same parameters): no longer readable, torch's path
+        assert torch.equal(lin(x.double()), F.linear(x.double(), lin.weight, lin.bias))
+        lin.float()
+        lin.weight.data = torch.randn(6, 5).T  # non-contiguous: torch's path, bit for bit
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
 def test_engine_runner_routes_its_linears_on_cpu(kernel: native.SkinnyLinear) -> None:
     from quire_engine import LLM, SamplingParams
 

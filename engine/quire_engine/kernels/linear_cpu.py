@@ -29,8 +29,22 @@ from quire_engine.kernels.native import SkinnyLinear
 MAX_ROWS = 16
 
 
+def _readable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel can read this weight and bias: fp32, on CPU, contiguous."""
+    return all(
+        t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+        for t in ((weight,) if bias is None else (weight, bias))
+    )
+
+
 class _Routed:
-    """The forward of one routed ``nn.Linear``: few rows to the kernel, the rest to torch."""
+    """The forward of one routed ``nn.Linear``: few rows to the kernel, the rest to torch.
+
+    It runs on every matmul of a decode step, so it calls the kernel unchecked
+    (``SkinnyLinear.launch``) after checking here what that needs: the weight is re-checked at
+    every call (cheap attribute reads: ``module.to`` or ``.data =`` may have changed it since
+    ``install``), the input's width must match it, the input is made contiguous and the output
+    is allocated here, already in its final shape."""
 
     __slots__ = ("kernel", "module")
 
@@ -45,16 +59,17 @@ class _Routed:
         if (
             not 0 < rows <= MAX_ROWS
             or x.dtype != torch.float32
-            or x.device.type != "cpu"
+            or not x.is_cpu
+            or weight.shape[1] != width
+            or not _readable(weight, bias)
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
             return F.linear(x, weight, bias)
-        flat = x.reshape(rows, width)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
-        out = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
-        self.kernel(flat, weight, bias, out, torch.get_num_threads())
-        return out.view(*x.shape[:-1], weight.shape[0])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+        self.kernel.launch(x, rows, weight, bias, out, torch.get_num_threads())
+        return out
 
 
 def install(model: torch.nn.Module, kernel: SkinnyLinear) -> int:
@@ -67,15 +82,10 @@ def install(model: torch.nn.Module, kernel: SkinnyLinear) -> int:
     routed = 0
     for module in model.modules():
         if (
-            not isinstance(module, torch.nn.Linear)
-            or type(module).forward is not torch.nn.Linear.forward
-            or "forward" in vars(module)
-        ):
-            continue
-        w, b = module.weight, module.bias
-        tensors = [w] if b is None else [w, b]
-        if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and all(
-            t.is_contiguous() for t in tensors
+            isinstance(module, torch.nn.Linear)
+            and type(module).forward is torch.nn.Linear.forward
+            and "forward" not in vars(module)
+            and _readable(module.weight, module.bias)
         ):
             module.forward = _Routed(module, kernel)  # type: ignore[method-assign,assignment]
             routed += 1

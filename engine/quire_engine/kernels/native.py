@@ -242,6 +242,24 @@ class SkinnyLinear:
             num_threads,
         )  # fmt: skip
 
+    def launch(
+        self,
+        x: torch.Tensor,  # [..., K] contiguous: `rows` rows of K
+        rows: int,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,  # [..., N] contiguous
+        num_threads: int,
+    ) -> None:
+        """``__call__`` for contiguous rows in any leading shape, without its checks, for a
+        caller that guarantees them (``linear_cpu``, on every matmul of a decode step: the
+        checks and the [rows, K] views cost several times the C call's own overhead there)."""
+        n, k = weight.shape
+        self._fn(
+            x.data_ptr(), k, rows, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+            n, k, out.data_ptr(), n, num_threads,
+        )  # fmt: skip
+
 
 @functools.cache
 def paged_decode() -> PagedDecode | None:
