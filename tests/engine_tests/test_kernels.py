@@ -793,10 +793,9 @@ def test_bench_kernel_defaults_and_errors() -> None:
 
 
 def test_cpu_bench_kernel_small() -> None:
-    from quire_engine.kernels import native
+    from tests.engine_tests.toolchain import require_native_kernels
 
-    if native.paged_decode() is None and os.environ.get("CI") != "true":
-        pytest.skip("no C compiler here to build the native decode kernel")
+    require_native_kernels()  # in CI a failure, not a skip
     with pytest.raises(ValueError, match="--dtype fp32"):
         kernel_bench.run(_bench_args("--device", "cpu"))  # bf16 by default
     result = kernel_bench.run(
