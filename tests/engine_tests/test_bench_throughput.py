@@ -1,6 +1,6 @@
 """``quire-engine bench throughput`` in CI size: every system runs the same requests to the exact
-token counts and the JSON has the documented keys (speed is measured by the benchmark, not
-asserted here)."""
+token counts and the JSON has the documented keys, the roofline section included (speed is
+measured by the benchmark, not asserted here)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,7 @@ def test_throughput_bench_small(capsys: object) -> None:
         assert key in out, key
     assert out["kv_budget_tokens"] == 128 and out["num_requests"] == 6
     assert out["quire_tok_s"] > 0 and out["hf_static_waves"] >= 1
+    floor = out["floor"]  # the roofline of Quire's steps (bench.roofline)
+    for key in ("steps", "floor_s", "vs_floor", "max_ratio_vs_static", "max_ratio_vs_continuous"):
+        assert floor[key] > 0, key
+    assert floor["weight_bytes_read"] == floor["weight_bytes_per_step"] * floor["steps"]

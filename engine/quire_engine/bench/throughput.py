@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from quire_engine.bench import roofline
 from quire_engine.bench.workload import RequestLengths, sharegpt_like
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.tiny_model import build_tokenizer
@@ -157,10 +158,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "dtype": args.dtype,
     }
+    log = roofline.StepLog()
     with tempfile.TemporaryDirectory() as tmp:
         rates: dict[str, _Rate] = {}
         if "quire" in systems:
-            rates["quire"], profile = _quire(model, Path(tmp), prompts, lengths, budget, args)
+            rates["quire"], profile, log = _quire(model, Path(tmp), prompts, lengths, budget, args)
             if profile is not None:
                 result["quire_profile"] = profile
         if "hf_static" in systems:
@@ -180,7 +182,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ratio = rates[peer].wall_s / quire.wall_s  # same tokens: time ratio
                 result[f"ratio_vs_{short}"] = round(ratio, 2)
                 result[f"ratio_vs_{short}_per_cpu_s"] = round(rates[peer].cpu_s / quire.cpu_s, 2)
+        if device.type == "cpu":
+            result["floor"] = _floor(model, log, rates)
     return result
+
+
+def _floor(
+    model: PreTrainedModel,
+    log: roofline.StepLog,
+    rates: dict[str, _Rate],
+) -> dict[str, Any]:
+    """The roofline section (``bench.roofline``): Quire's steps at this machine's read and GEMM
+    rates, Quire's wall time over that floor (``vs_floor``) and the largest ratio over each peer
+    that any engine running those steps could reach here (``max_ratio_vs_*``)."""
+    # The largest linear at a chunked-prefill step's size: where the GEMM rate matters.
+    largest = max(
+        (m for m in model.modules() if isinstance(m, torch.nn.Linear)),
+        key=lambda m: m.weight.numel(),
+    )
+    machine = roofline.Rates.measure((2048, *largest.weight.shape))
+    peers = {
+        peer.removeprefix("hf_"): rates[peer].wall_s
+        for peer in ("hf_static", "hf_continuous")
+        if peer in rates
+    }
+    quire = rates["quire"]
+    return roofline.report(
+        log, machine, tokens=quire.tokens, wall_s=quire.wall_s, peers_wall_s=peers
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +230,7 @@ def _quire(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> tuple[_Rate, dict[str, Any] | None]:
+) -> tuple[_Rate, dict[str, Any] | None, roofline.StepLog]:
     from quire_engine.bench.profile import StepProfile
     from quire_engine.llm import LLM
 
@@ -223,9 +252,11 @@ def _quire(
         SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
     ]
     llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)  # warm-up
-    t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    log = roofline.StepLog()
+    with log.attach(llm.engine):  # a few microseconds per step of ~10-100 ms
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(r.output for r in lengths):
         raise RuntimeError("quire produced the wrong number of tokens")
@@ -235,7 +266,7 @@ def _quire(
         with prof.attach(llm.engine):
             llm.generate(prompts, params)
         profile = prof.report()
-    return _Rate(produced, elapsed, cpu), profile
+    return _Rate(produced, elapsed, cpu), profile, log
 
 
 def _hf_static(
