@@ -52,6 +52,11 @@ def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(v >= 0 for p in pauses.values() for v in p.values())
     assert out["offline"]["total_output_tokens"] == expected
     assert out["ratio_vs_offline"] > 0
+    # The roofline of the offline run's steps, and each server's duration over it.
+    floor = out["floor"]
+    assert floor["steps"] > 0 and floor["floor_s"] > 0 and floor["vs_floor"] > 0
+    for system in systems.split(","):
+        assert floor[f"{system}_vs_floor"] > 0 and floor[f"max_ratio_vs_{system}"] > 0
     if "," in systems:
         assert out["ratio_vs_transformers"] > 0
 

@@ -148,6 +148,17 @@ class Rates:
         gemm_s = _best_s(lambda: F.linear(x, w), repeats)
         return cls(buf.numel() * 4 / read_s / 1e9, 2 * m * n * k / gemm_s / 1e9)
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, rows: int = 2048) -> Rates:
+        """``measure`` with the GEMM at the model's largest linear and ``rows`` rows (a chunked
+        prefill step's size, where the GEMM rate is what bounds a step)."""
+        largest = max(
+            (m for m in model.modules() if isinstance(m, torch.nn.Linear)),
+            key=lambda m: m.weight.numel(),
+        )
+        out_features, in_features = largest.weight.shape
+        return cls.measure((rows, out_features, in_features))
+
 
 def _best_s(fn: Any, repeats: int) -> float:
     fn()  # warm-up (page faults, thread pools)

@@ -51,6 +51,8 @@ from quire_engine.bench.workload import RequestLengths, random_tokens, sharegpt_
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
+    from quire_engine.bench import roofline  # imports torch: the client side does not need it
+
 MAX_ERRORS_REPORTED = 5
 
 
@@ -222,17 +224,41 @@ def _compare(args: argparse.Namespace) -> dict[str, Any]:
                     _bench(args, server.url, workload, warm_up=True, cpu=server.cpu_seconds)
                 )
         if args.offline:
-            result["offline"] = _offline(spec, workload, args.max_concurrency)
+            result["offline"], steps, model = _offline(spec, workload, args.max_concurrency)
+            result["floor"] = _floor(result, steps, model)
     _ratios(result)
     return result
 
 
+def _floor(result: dict[str, Any], log: roofline.StepLog, model: Any) -> dict[str, Any]:
+    """The roofline of the offline run's steps (``bench.roofline``): at the same concurrency
+    the servers run about the same schedule, so each server's duration over this floor says how
+    far it is from this machine's limit, and transformers' duration over it bounds the ratio any
+    engine could reach over ``transformers serve`` here (``max_ratio_vs_transformers``)."""
+    from quire_engine.bench import roofline
+
+    offline = result["offline"]
+    servers_s = {name: result[name]["duration_s"] for name in servers.SYSTEMS if name in result}
+    floor = roofline.report(
+        log,
+        roofline.Rates.for_model(model),
+        tokens=offline["total_output_tokens"],
+        wall_s=offline["duration_s"],
+        peers_wall_s=servers_s,
+    )
+    for name, seconds in servers_s.items():
+        floor[f"{name}_vs_floor"] = round(seconds / floor["floor_s"], 2)
+    return floor
+
+
 def _offline(
     spec: servers.ServerSpec, workload: _Workload, concurrency: int | None
-) -> dict[str, Any]:
-    """The same requests through ``LLM.generate`` in this process, one torch thread."""
+) -> tuple[dict[str, Any], roofline.StepLog, Any]:
+    """The same requests through ``LLM.generate`` in this process, one torch thread: the
+    report, the run's steps and the model."""
     import torch
 
+    from quire_engine.bench import roofline
     from quire_engine.llm import LLM
     from quire_engine.sampling_params import SamplingParams
 
@@ -252,17 +278,20 @@ def _offline(
         for r in workload.lengths
     ]
     llm.generate(workload.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=2)] * 2)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    outs = llm.generate(list(workload.prompts), params)
-    duration, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    log = roofline.StepLog()
+    with log.attach(llm.engine):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        outs = llm.generate(list(workload.prompts), params)
+        duration, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
+    report = {
         "duration_s": round(duration, 3),
         "total_output_tokens": produced,
         "output_throughput": round(produced / duration, 2),
         "cpu_s": round(cpu_s, 2),
         "output_tokens_per_cpu_s": round(produced / cpu_s, 2),
     }
+    return report, log, llm.engine.runner.model
 
 
 def _ratios(result: dict[str, Any]) -> None:

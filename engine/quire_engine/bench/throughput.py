@@ -195,12 +195,7 @@ def _floor(
     """The roofline section (``bench.roofline``): Quire's steps at this machine's read and GEMM
     rates, Quire's wall time over that floor (``vs_floor``) and the largest ratio over each peer
     that any engine running those steps could reach here (``max_ratio_vs_*``)."""
-    # The largest linear at a chunked-prefill step's size: where the GEMM rate matters.
-    largest = max(
-        (m for m in model.modules() if isinstance(m, torch.nn.Linear)),
-        key=lambda m: m.weight.numel(),
-    )
-    machine = roofline.Rates.measure((2048, *largest.weight.shape))
+    machine = roofline.Rates.for_model(model)
     peers = {
         peer.removeprefix("hf_"): rates[peer].wall_s
         for peer in ("hf_static", "hf_continuous")
