@@ -15,8 +15,11 @@ budget is ``--budget-seqs`` contiguous ``max_model_len`` sequences, in tokens:
 
 Throughput = requested output tokens / wall time, and per CPU second of the process (the
 ``_per_cpu_s`` keys: every system runs one torch thread, so this is robust to other processes'
-load on a shared machine). The model is a Llama built from a config with
-random weights (the cost of a forward pass does not depend on the values).
+load on a shared machine). On CPU the ``floor`` section (``bench.roofline``) puts Quire's steps
+at this machine's measured read bandwidth and GEMM rate: the least time any engine running them
+could take here, and so the largest ratio over each peer that any engine could reach. The model
+is a Llama built from a config with random weights (the cost of a forward pass does not depend
+on the values).
 """
 
 from __future__ import annotations
