@@ -103,3 +103,9 @@ def test_report_needs_an_attached_log() -> None:
 def test_rates_are_measured_positive() -> None:
     rates = roofline.Rates.measure((64, 32, 32), buffer_bytes=1 << 20, repeats=2)
     assert rates.read_gbps > 0 and rates.gemm_gflops > 0
+
+
+def test_fastest_keeps_each_rate_at_its_best() -> None:
+    slow_read = roofline.Rates(read_gbps=5.0, gemm_gflops=70.0)
+    slow_gemm = roofline.Rates(read_gbps=9.0, gemm_gflops=40.0)
+    assert roofline.Rates.fastest(slow_read, slow_gemm) == roofline.Rates(9.0, 70.0)

@@ -12,7 +12,8 @@ multiplies matrices. So:
   FLOPs for that model (linear layers, LM head, K/V of every layer).
 * ``Rates.measure`` times this machine's single-thread read bandwidth (``torch.sum`` over a
   buffer far larger than the caches) and fp32 GEMM rate (``F.linear`` at a prefill-sized
-  product of the model's largest linear), with torch's own kernels, best of a few runs.
+  product of the model's largest linear), with torch's own kernels, best of a few runs; the
+  benches measure before and after the engine's run and keep the faster (``Rates.fastest``).
 * ``floor_s`` adds up, step by step, the larger of the step's memory time and its compute time at
   those rates, as if the two overlapped perfectly and nothing else (Python, dispatch, softmax,
   norms, sampling) took any time.
@@ -158,6 +159,12 @@ class Rates:
         )
         out_features, in_features = largest.weight.shape
         return cls.measure((rows, out_features, in_features))
+
+    @classmethod
+    def fastest(cls, *measured: Rates) -> Rates:
+        """Each rate at its best over several measurements: a shared machine's rates swing
+        between minutes (±20 % here), and the floor must stay a lower bound."""
+        return cls(max(r.read_gbps for r in measured), max(r.gemm_gflops for r in measured))
 
 
 def _best_s(fn: Any, repeats: int) -> float:

@@ -224,13 +224,15 @@ def _compare(args: argparse.Namespace) -> dict[str, Any]:
                     _bench(args, server.url, workload, warm_up=True, cpu=server.cpu_seconds)
                 )
         if args.offline:
-            result["offline"], steps, model = _offline(spec, workload, args.max_concurrency)
-            result["floor"] = _floor(result, steps, model)
+            result["offline"], steps, machine = _offline(spec, workload, args.max_concurrency)
+            result["floor"] = _floor(result, steps, machine)
     _ratios(result)
     return result
 
 
-def _floor(result: dict[str, Any], log: roofline.StepLog, model: Any) -> dict[str, Any]:
+def _floor(
+    result: dict[str, Any], log: roofline.StepLog, machine: roofline.Rates
+) -> dict[str, Any]:
     """The roofline of the offline run's steps (``bench.roofline``): at the same concurrency
     the servers run about the same schedule, so each server's duration over this floor says how
     far it is from this machine's limit, and transformers' duration over it bounds the ratio any
@@ -241,7 +243,7 @@ def _floor(result: dict[str, Any], log: roofline.StepLog, model: Any) -> dict[st
     servers_s = {name: result[name]["duration_s"] for name in servers.SYSTEMS if name in result}
     floor = roofline.report(
         log,
-        roofline.Rates.for_model(model),
+        machine,
         tokens=offline["total_output_tokens"],
         wall_s=offline["duration_s"],
         peers_wall_s={name: s for name, s in servers_s.items() if name != "quire"},
@@ -253,9 +255,9 @@ def _floor(result: dict[str, Any], log: roofline.StepLog, model: Any) -> dict[st
 
 def _offline(
     spec: servers.ServerSpec, workload: _Workload, concurrency: int | None
-) -> tuple[dict[str, Any], roofline.StepLog, Any]:
+) -> tuple[dict[str, Any], roofline.StepLog, roofline.Rates]:
     """The same requests through ``LLM.generate`` in this process, one torch thread: the
-    report, the run's steps and the model."""
+    report, the run's steps and the machine's rates (the faster of before and after it)."""
     import torch
 
     from quire_engine.bench import roofline
@@ -278,6 +280,7 @@ def _offline(
         for r in workload.lengths
     ]
     llm.generate(workload.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=2)] * 2)
+    before = roofline.Rates.for_model(llm.engine.runner.model)
     log = roofline.StepLog()
     with log.attach(llm.engine):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -291,7 +294,8 @@ def _offline(
         "cpu_s": round(cpu_s, 2),
         "output_tokens_per_cpu_s": round(produced / cpu_s, 2),
     }
-    return report, log, llm.engine.runner.model
+    after = roofline.Rates.for_model(llm.engine.runner.model)
+    return report, log, roofline.Rates.fastest(before, after)
 
 
 def _ratios(result: dict[str, Any]) -> None:

@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     model = LlamaForCausalLM(bench_config(args)).eval().to(device=device, dtype=dtype)
     systems = args.systems.split(",")
+    # The machine's rates before the runs; measured again after them for the floor.
+    before = roofline.Rates.for_model(model) if device.type == "cpu" else None
     result: dict[str, Any] = {
         "num_requests": len(lengths),
         "output_tokens": sum(r.output for r in lengths),
@@ -185,8 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ratio = rates[peer].wall_s / quire.wall_s  # same tokens: time ratio
                 result[f"ratio_vs_{short}"] = round(ratio, 2)
                 result[f"ratio_vs_{short}_per_cpu_s"] = round(rates[peer].cpu_s / quire.cpu_s, 2)
-        if device.type == "cpu":
-            result["floor"] = _floor(model, log, rates)
+        if before is not None:
+            result["floor"] = _floor(model, log, rates, before)
     return result
 
 
@@ -194,11 +196,12 @@ def _floor(
     model: PreTrainedModel,
     log: roofline.StepLog,
     rates: dict[str, _Rate],
+    before: roofline.Rates,
 ) -> dict[str, Any]:
     """The roofline section (``bench.roofline``): Quire's steps at this machine's read and GEMM
     rates, Quire's wall time over that floor (``vs_floor``) and the largest ratio over each peer
     that any engine running those steps could reach here (``max_ratio_vs_*``)."""
-    machine = roofline.Rates.for_model(model)
+    machine = roofline.Rates.fastest(before, roofline.Rates.for_model(model))
     peers = {
         peer.removeprefix("hf_"): rates[peer].wall_s
         for peer in ("hf_static", "hf_continuous")
