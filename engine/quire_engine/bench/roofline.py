@@ -177,11 +177,16 @@ def _best_s(fn: Any, repeats: int) -> float:
     return best
 
 
+def _step_times(steps: list[Step], cost: ModelCost, rates: Rates) -> list[tuple[float, float]]:
+    """(memory seconds, compute seconds) of each step at ``rates``."""
+    bandwidth, flop_rate = rates.read_gbps * 1e9, rates.gemm_gflops * 1e9
+    return [(cost.step_bytes(s) / bandwidth, cost.step_flops(s) / flop_rate) for s in steps]
+
+
 def floor_s(steps: list[Step], cost: ModelCost, rates: Rates) -> float:
     """Seconds the steps take at least at ``rates``: per step, the larger of its memory and
     compute times (perfect overlap), summed."""
-    bandwidth, flop_rate = rates.read_gbps * 1e9, rates.gemm_gflops * 1e9
-    return sum(max(cost.step_bytes(s) / bandwidth, cost.step_flops(s) / flop_rate) for s in steps)
+    return sum(max(times) for times in _step_times(steps, cost, rates))
 
 
 def report(
@@ -193,13 +198,11 @@ def report(
     steps, cost = log.steps, log.cost
     if cost is None:
         raise ValueError("the step log was never attached to an engine")
-    bandwidth, flop_rate = rates.read_gbps * 1e9, rates.gemm_gflops * 1e9
-    floor = floor_s(steps, cost, rates)
+    times = _step_times(steps, cost, rates)
+    floor = sum(max(t) for t in times)
     out: dict[str, Any] = {
         "steps": len(steps),
-        "memory_bound_steps": sum(
-            cost.step_bytes(s) / bandwidth >= cost.step_flops(s) / flop_rate for s in steps
-        ),
+        "memory_bound_steps": sum(memory >= compute for memory, compute in times),
         "weight_bytes_per_step": cost.weight_bytes,
         "weight_bytes_read": cost.weight_bytes * len(steps),
         "kv_bytes_read": sum(s.context for s in steps) * cost.kv_bytes_per_token,

@@ -151,8 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     model = LlamaForCausalLM(bench_config(args)).eval().to(device=device, dtype=dtype)
     systems = args.systems.split(",")
-    # The machine's rates before the runs; measured again after them for the floor.
-    before = roofline.Rates.for_model(model) if device.type == "cpu" else None
+    # On CPU, the machine's rates before the runs; measured again after them for the floor of
+    # Quire's steps (bench.roofline).
+    floor_cpu = device.type == "cpu" and "quire" in systems
+    before = roofline.Rates.for_model(model) if floor_cpu else None
     result: dict[str, Any] = {
         "num_requests": len(lengths),
         "output_tokens": sum(r.output for r in lengths),
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "dtype": args.dtype,
     }
-    log = roofline.StepLog()
+    log: roofline.StepLog | None = None  # Quire's steps
     with tempfile.TemporaryDirectory() as tmp:
         rates: dict[str, _Rate] = {}
         if "quire" in systems:
@@ -181,36 +183,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{name}_tok_per_cpu_s"] = round(rate.tokens / rate.cpu_s, 1)
     if "quire" in rates:
         quire = rates["quire"]
+        peers_wall_s: dict[str, float] = {}
         for peer in ("hf_static", "hf_continuous"):
             if peer in rates:
                 short = peer.removeprefix("hf_")
                 ratio = rates[peer].wall_s / quire.wall_s  # same tokens: time ratio
                 result[f"ratio_vs_{short}"] = round(ratio, 2)
                 result[f"ratio_vs_{short}_per_cpu_s"] = round(rates[peer].cpu_s / quire.cpu_s, 2)
-        if before is not None:
-            result["floor"] = _floor(model, log, rates, before)
+                peers_wall_s[short] = rates[peer].wall_s
+        if before is not None and log is not None:
+            # Quire's wall time over the floor (vs_floor) and, per peer, the largest ratio any
+            # engine running those steps could reach here (max_ratio_vs_*).
+            machine = roofline.Rates.fastest(before, roofline.Rates.for_model(model))
+            result["floor"] = roofline.report(
+                log, machine, tokens=quire.tokens, wall_s=quire.wall_s, peers_wall_s=peers_wall_s
+            )
     return result
-
-
-def _floor(
-    model: PreTrainedModel,
-    log: roofline.StepLog,
-    rates: dict[str, _Rate],
-    before: roofline.Rates,
-) -> dict[str, Any]:
-    """The roofline section (``bench.roofline``): Quire's steps at this machine's read and GEMM
-    rates, Quire's wall time over that floor (``vs_floor``) and the largest ratio over each peer
-    that any engine running those steps could reach here (``max_ratio_vs_*``)."""
-    machine = roofline.Rates.fastest(before, roofline.Rates.for_model(model))
-    peers = {
-        peer.removeprefix("hf_"): rates[peer].wall_s
-        for peer in ("hf_static", "hf_continuous")
-        if peer in rates
-    }
-    quire = rates["quire"]
-    return roofline.report(
-        log, machine, tokens=quire.tokens, wall_s=quire.wall_s, peers_wall_s=peers
-    )
 
 
 @dataclass(frozen=True, slots=True)
