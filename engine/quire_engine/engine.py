@@ -109,6 +109,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             num_cpu_blocks=num_cpu_blocks,
             device=self.device,
+            layers=loaded.layers,
         )
         logger.info(
             "KV pool: %d blocks x %d tokens (%.1f MiB), %d CPU swap blocks, max_model_len %d",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from quire_engine import attention
-from quire_engine.kernels import linear_cpu, native, triton_usable
+from quire_engine.kernels import decoder_cpu, linear_cpu, native, triton_usable
 from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
 from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 from quire_engine.scheduler import SchedulerOutput
@@ -72,7 +72,10 @@ class ModelRunner:
         num_blocks: int,
         num_cpu_blocks: int,
         device: torch.device,
+        layers: Sequence[attention.LayerAttention] = (),
     ) -> None:
+        """``layers``: every layer's attention as ``attention.inspect_layers`` audited it
+        (the loader's ``LoadedModel.layers``); without it the native decoder stays off."""
         attention.register()
         model.set_attn_implementation(attention.ATTENTION_NAME)
         self.model = model
@@ -108,6 +111,12 @@ class ModelRunner:
         ]
         self.cpu_v_caches = [torch.zeros_like(k) for k in self.cpu_k_caches]
         self._kv_pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+        # Pure decode steps of a few sequences as one native call (kernels/decoder_cpu.py)
+        # where the model is Llama-shaped; every other step runs the model's modules.
+        self._layers = tuple(layers)
+        self.decoder: decoder_cpu.DecoderStack | None = None
+        if self.native_linears and self.native_decode is not None and self._layers:
+            self.decoder = self._build_decoder()
         # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
         # no-op costing a dispatcher round trip per input per step).
         self._put: Callable[[np.ndarray], torch.Tensor] = (
@@ -116,11 +125,45 @@ class ModelRunner:
             else lambda a: torch.from_numpy(a).to(device, non_blocking=True)
         )
 
+    def _build_decoder(self) -> decoder_cpu.DecoderStack | None:
+        kernel = native.decoder_decode()
+        if kernel is None:
+            return None
+        built = decoder_cpu.DecoderStack.build(
+            self.model, self._layers, self.k_caches, self.v_caches, self.shape.block_size, kernel
+        )
+        if isinstance(built, str):
+            logger.info("native decoder off for this model (module path only): %s", built)
+            return None
+        return built
+
+    def _native_step(self, x: StepInputs) -> torch.Tensor | None:
+        """The step through the native decoder when it applies (see ``decoder_cpu``), else
+        None. The stack is rebuilt, or dropped, when the model's weights moved since."""
+        stack = self.decoder
+        num_seqs = len(x.counts)
+        if (
+            stack is None
+            or stack.model is not self.model  # e.g. bench step's stand-in forward
+            or x.max_query_len != 1
+            or len(x.sample_rows) != num_seqs
+            or num_seqs > decoder_cpu.MAX_ROWS
+        ):
+            return None
+        if not stack.current():
+            stack = self.decoder = self._build_decoder()
+            if stack is None:
+                return None
+        return stack.decode(x.input_ids, x.positions, x.slots, x.tables, x.seq_lens)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_seqs, vocab] in batch order."""
         self._move_blocks(out)
         x = build_step_inputs(out)
+        native_logits = self._native_step(x)
+        if native_logits is not None:
+            return native_logits
         dev = self.device
         cpu_plan = None
         if dev.type == "cpu" and not self.use_triton:

@@ -37,8 +37,11 @@ def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
     # --profile: the Quire server ran with serve --profile; its steps over the run, split.
     profile = out["quire"]["profile"]
     assert profile["steps"] > 0 and profile["step_cpu_s"] > 0
-    assert set(profile["split_s"]) == {"matmuls", "attention", "forward_other", "step_python"}
+    phases = {"matmuls", "attention", "forward_other", "native_decoder", "step_python"}
+    assert set(profile["split_s"]) == phases
+    # Prefill runs the modules; decode steps of a few sequences the native decoder.
     assert profile["split_s"]["matmuls"] > 0 and profile["split_s"]["attention"] > 0
+    assert profile["split_s"]["native_decoder"] > 0
     assert "server_cpu_outside_steps_s" in profile
     if "," in systems:
         assert "profile" not in out["transformers"]  # exports no quire_profile_* counters

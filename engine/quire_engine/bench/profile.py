@@ -2,13 +2,15 @@
 
 ``StepProfile.attach(engine)`` wraps, for as long as the context lasts, ``engine.step`` (the
 whole step), the model's forward, every ``nn.Linear`` of the model (the matmuls, LM head
-included) and the paged attention call (K/V write + attention), each timed in thread CPU time.
-The split it reports, in seconds and as shares of the step time:
+included), the paged attention call (K/V write + attention) and the runner's native decode step,
+each timed in thread CPU time. The split it reports, in seconds and as shares of the step time:
 
 * ``matmuls``: inside ``nn.Linear`` forwards;
 * ``attention``: inside the paged attention call (writing K/V, gathering blocks, SDPA or kernel);
 * ``forward_other``: the rest of the forward (embeddings, RMSNorm, RoPE, activations, module
   calls);
+* ``native_decoder``: the steps whose whole forward ran as one native call
+  (``kernels/decoder_cpu``: matmuls, attention and the rest together, not split further);
 * ``step_python``: the step outside the forward (schedule, inputs, sampling, detokenization,
   outputs).
 
@@ -53,14 +55,28 @@ def timed(totals: dict[str, int], name: str, fn: Callable[..., Any]) -> Callable
 
 class StepProfile:
     def __init__(self) -> None:
-        self.ns: dict[str, int] = {"step": 0, "forward": 0, "matmuls": 0, "attention": 0}
+        self.ns: dict[str, int] = {
+            "step": 0, "forward": 0, "matmuls": 0, "attention": 0, "native_decoder": 0,
+        }  # fmt: skip
         self.steps = 0
         self._installed: ExitStack | None = None
 
     @contextmanager
     def attach(self, engine: LLMEngine) -> Iterator[None]:
-        model = engine.runner.model
+        runner = engine.runner
+        model = runner.model
         step = engine.step
+        native_step = runner._native_step
+        clock = time.thread_time_ns
+
+        def timed_native_step(x: Any) -> Any:
+            # Only the steps it ran count; the others' check is step Python.
+            t0 = clock()
+            logits = native_step(x)
+            if logits is not None:
+                self.ns["native_decoder"] += clock() - t0
+            return logits
+
         handles = []
         starts: list[int] = []
 
@@ -85,6 +101,7 @@ class StepProfile:
             return step()
 
         engine.step = timed(self.ns, "step", counted_step)  # type: ignore[method-assign]
+        runner._native_step = timed_native_step  # type: ignore[method-assign]
         # Models look their attention function up by name at every call.
         AttentionInterface.register(
             attention.ATTENTION_NAME, timed(self.ns, "attention", attention.paged_attention_forward)
@@ -93,6 +110,7 @@ class StepProfile:
             yield
         finally:
             del engine.step
+            del runner._native_step
             attention.register()
             for handle in handles:
                 handle.remove()
@@ -111,7 +129,8 @@ class StepProfile:
             "matmuls": ns["matmuls"],
             "attention": ns["attention"],
             "forward_other": ns["forward"] - ns["matmuls"] - ns["attention"],
-            "step_python": ns["step"] - ns["forward"],
+            "native_decoder": ns["native_decoder"],
+            "step_python": ns["step"] - ns["forward"] - ns["native_decoder"],
         }
 
     def report(self) -> dict[str, Any]:

@@ -8,6 +8,11 @@
 * ``csrc/skinny_linear.c``: ``nn.Linear`` for a few rows (small-batch decode), where a BLAS
   sgemm's packing of the weight doubles the memory traffic that bounds the call
   (``linear_cpu`` routes the calls).
+* ``csrc/decoder_decode.c``: a whole decode step of a few sequences of a Llama-shaped model in
+  one call, built on the two kernels above (``decoder_cpu`` checks the model and drives it):
+  at a few rows the module-by-module forward spends a fifth of the step dispatching small ops.
+
+``csrc/quire_native.h`` declares every kernel's entry point and the math they share.
 
 Build and cache (the same approach as Triton's launchers and torch's inline extensions):
 
@@ -48,7 +53,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "paged_decode.c", _CSRC / "skinny_linear.c")  # one library, built together
+# One library, built together; HEADERS are part of its identity (the cache key).
+SOURCES = (_CSRC / "paged_decode.c", _CSRC / "skinny_linear.c", _CSRC / "decoder_decode.c")
+HEADERS = (_CSRC / "quire_native.h",)
 # Tried in order; the first that compiles is used. OpenMP lets a step's sequences spread over
 # torch's thread count; -march=native turns on the CPU's vector units (AVX2/AVX-512/NEON).
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
@@ -261,6 +268,36 @@ class SkinnyLinear:
         )  # fmt: skip
 
 
+class DecoderDecode:
+    """The loaded ``quire_decoder_decode`` symbol. Its caller is ``decoder_cpu.DecoderStack``,
+    which builds and checks every address and array it passes (see there): this class only
+    types the call and turns its failures into exceptions."""
+
+    # One layer's addresses, in the order of the enum in csrc/decoder_decode.c.
+    FIELDS = (
+        "input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "o", "o_bias", "post_norm",
+        "gate", "gate_bias", "up", "up_bias", "down", "down_bias", "k_cache", "v_cache",
+    )  # fmt: skip
+
+    def __init__(self, lib: Library) -> None:
+        self.path = lib.path
+        fn = lib.cdll.quire_decoder_decode
+        fn.restype = ctypes.c_int
+        f = ctypes.c_float
+        fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, f, _I, _I]
+        fn.argtypes += [_P, _P, _P, _P, _P, _I, _P, _P, _I]
+        self._fn = fn
+
+    def __call__(self, *args: int | float | None) -> None:
+        """``quire_decoder_decode(*args)``: addresses as ints (None for NULL), sizes as ints,
+        ``eps`` as a float, in the C signature's order."""
+        failed = self._fn(*args)
+        if failed == 2:
+            raise RuntimeError("native decoder: its layer table disagrees with the library")
+        if failed:
+            raise MemoryError("native decoder: could not allocate its scratch memory")
+
+
 @functools.cache
 def paged_decode() -> PagedDecode | None:
     """The native decode kernel, or None when the native kernels are off or cannot be built."""
@@ -275,10 +312,17 @@ def skinny_linear() -> SkinnyLinear | None:
     return None if lib is None else SkinnyLinear(lib)
 
 
+@functools.cache
+def decoder_decode() -> DecoderDecode | None:
+    """The native decode step, or None when the native kernels are off or cannot be built."""
+    lib = library()
+    return None if lib is None else DecoderDecode(lib)
+
+
 def reset() -> None:
     """Forget the loaded library and kernels, so that the next call builds or loads them again
     under the current environment (tests; a process that changed ``QUIRE_*`` or ``CC``)."""
-    for cached in (library, paged_decode, skinny_linear):
+    for cached in (library, paged_decode, skinny_linear, decoder_decode):
         cached.cache_clear()
 
 
@@ -296,7 +340,7 @@ def library() -> Library | None:
             "matmuls use the slower torch paths"
         )
         return None
-    identity = [*(src.read_bytes() for src in SOURCES), _version(cc).encode()]
+    identity = [*(src.read_bytes() for src in SOURCES + HEADERS), _version(cc).encode()]
     identity.append(_cpu_identity().encode())
     identity.append(platform.machine().encode())
     directory = cache_dir()

@@ -32,38 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 (a softmax numerator), written so that the compiler vectorizes it: libm's
- * expf is a call per element, a quarter of this kernel's time. Range reduction x = n ln2 + r with
- * n = round(x / ln2) (adding and subtracting 1.5 * 2^23 rounds to nearest), |r| <= ln2 / 2, ln2
- * split in two constants (the high part exact in float); exp(r) by its degree-7 Taylor expansion
- * (truncation ~2e-9 relative at |r| = 0.35, below float rounding); 2^n assembled in the exponent
- * bits. Over every float in [-87, 0]: within 1 ulp of glibc's expf, relative error <= 1.1e-7.
- * Below -87.3 the result would be a denormal, so 0 (a weight under 1e-38 of the row's maximum);
- * NaN stays NaN, so a broken model still shows. The selects vectorize only when the compiler
- * may assume floating-point operations do not trap (-fno-trapping-math, set by native.py). */
-static inline float exp_nonpositive(float x)
-{
-    const float clamped = x < -87.3f ? -87.3f : x;
-    const float shifted = clamped * 1.44269504088896341f + 12582912.0f;
-    const float n = shifted - 12582912.0f;
-    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    /* The low mantissa bits of `shifted` hold n (as 0x4B400000 + n): move it to the exponent. */
-    union {
-        float f;
-        int32_t i;
-    } bits = {.f = shifted};
-    bits.i = (bits.i - 0x4B400000 + 127) << 23;
-    const float value = p * bits.f;
-    return x != x ? x : (x < -87.3f ? 0.0f : value);
-}
+#include "quire_native.h"
 
 /* Hardware prefetchers stop at page boundaries, and the next block of a sequence is anywhere in
  * the pool: without help every block starts with cache misses. While the kernel works on a

@@ -28,6 +28,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "quire_native.h"
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
 #endif

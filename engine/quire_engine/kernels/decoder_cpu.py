@@ -1,0 +1,304 @@
+"""A decode step of a few sequences of a Llama-shaped model on CPU, in one native call.
+
+At a few rows a decode step streams every weight once and does little arithmetic, so the
+matmuls (``linear_cpu``) and the attention (``native.paged_decode``) are at this machine's
+memory bound already, and what the module-by-module forward adds is dispatch: RMSNorm as seven
+tensor ops, RoPE as eight, SiLU, residual adds, views and a Python call per module, about a
+fifth of such a step for the 32.5M Llama (``--profile``'s ``forward_other``).
+``csrc/decoder_decode.c`` runs the whole stack in one call instead, through the same matmul
+and attention kernels, and this module decides when it may.
+
+When: the model is one of ``FAMILIES`` (their decoder layer is transformers' Llama layer:
+pre-norm RMSNorm, RoPE over the full head, SiLU-gated MLP, no logit scaling or soft-cap) with
+exactly those module classes, fp32 weights that ``linear_cpu`` routes, and every layer's
+attention plain or windowed (``attention.LayerAttention``); and the step is a pure decode step
+(every sequence one new token, every one sampling) of at most ``linear_cpu.MAX_ROWS``
+sequences. Anything else takes the module path, unchanged.
+
+What equals what: the matmuls and the attention are the kernels the module path calls for the
+same rows (same bits), RoPE and the residual adds are the same float operations in the same
+order (same bits), cos/sin come from the model's own rotary module (same bits); RMSNorm's sum of
+squares and SiLU's exp are rounded differently from torch's. So logits equal the module path's
+to rounding, and the HF equivalence suite (which runs through this path for its decode steps)
+checks greedy tokens against transformers' ``generate``.
+
+Ownership: a ``DecoderStack`` reads (never writes) the model's weights and writes K/V into the
+runner's pools at the step's slots, exactly as the module path does. It passes raw addresses to
+C, so before every step it re-reads each weight's address and refuses the step (the caller then
+runs the module path) if any changed since it was built (``model.to``, ``.data =``), and it
+checks every index it passes: token ids inside the embedding, block ids inside the pool, lengths
+inside their tables. CPU only: on CUDA the per-op cost it removes is what CUDA graphs remove.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from transformers.activations import SiLUActivation
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+from quire_engine.attention import LayerAttention
+from quire_engine.kernels import linear_cpu
+from quire_engine.kernels.native import DecoderDecode
+
+logger = logging.getLogger(__name__)
+
+# Causal LM class -> (its model, decoder layer, attention, MLP and RMSNorm classes): checked
+# exactly (a subclass may compute something else).
+FAMILIES: dict[type, tuple[type, ...]] = {
+    LlamaForCausalLM: (
+        llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
+        llama.LlamaRMSNorm,
+    ),
+    MistralForCausalLM: (
+        mistral.MistralModel, mistral.MistralDecoderLayer, mistral.MistralAttention,
+        mistral.MistralMLP, mistral.MistralRMSNorm,
+    ),
+    Qwen2ForCausalLM: (
+        qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
+        qwen2.Qwen2RMSNorm,
+    ),
+}  # fmt: skip
+
+MAX_ROWS = linear_cpu.MAX_ROWS  # the matmuls are the few-row kernel's: its range
+
+
+@dataclass(frozen=True, slots=True)
+class _Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int  # logits per row (lm_head rows)
+    vocab_rows: int  # embedding rows: every token id must be below it
+    eps: float
+
+
+class DecoderStack:
+    """What ``quire_decoder_decode`` needs for one model and one pair of K/V pools, built once
+    (``build``); ``decode`` runs one step."""
+
+    def __init__(
+        self,
+        kernel: DecoderDecode,
+        model: Any,  # a model _check accepted
+        sources: list[tuple[torch.nn.Module, str]],
+        dims: _Dims,
+        windows: np.ndarray,
+        scales: np.ndarray,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        block_size: int,
+    ) -> None:
+        self.kernel = kernel
+        self.model = model  # the runner drives this stack only while it drives this model
+        # (module, attribute) of every weight whose address is in the table, in table order:
+        # read again before each step (a module's weight may have been replaced since).
+        self._sources = sources
+        self._addresses = _addresses(sources)
+        self.dims = dims
+        self.windows = windows  # int64 [L], 0: none
+        self.scales = scales  # float32 [L]
+        self._caches = (list(k_caches), list(v_caches))  # kept alive with their addresses
+        self.num_blocks = int(k_caches[0].shape[0])
+        self.block_size = block_size
+        num_layers = len(windows)
+        per_layer = len(DecoderDecode.FIELDS) - 2  # the table's last two fields: the pools
+        table = np.zeros((num_layers, len(DecoderDecode.FIELDS)), dtype=np.int64)
+        table[:, :per_layer] = np.array(self._addresses[: num_layers * per_layer]).reshape(
+            num_layers, per_layer
+        )
+        table[:, per_layer] = [k.data_ptr() for k in k_caches]
+        table[:, per_layer + 1] = [v.data_ptr() for v in v_caches]
+        self._table = table
+        self._globals = self._addresses[num_layers * per_layer :]  # embed, norm, lm_head, bias
+        self._rotary = model.model.rotary_emb  # checked by _check
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        layers: Sequence[LayerAttention],
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        block_size: int,
+        kernel: DecoderDecode,
+    ) -> DecoderStack | str:
+        """The stack, or why this model cannot run through it (the runner logs it)."""
+        found = _check(model, layers, k_caches, v_caches)
+        if isinstance(found, str):
+            return found
+        sources, dims = found
+        windows = np.array([layer.sliding_window or 0 for layer in layers], dtype=np.int64)
+        scales = np.array(
+            [dims.head_dim**-0.5 if a.scaling is None else a.scaling for a in layers],
+            dtype=np.float32,
+        )
+        return cls(kernel, model, sources, dims, windows, scales, k_caches, v_caches, block_size)
+
+    def current(self) -> bool:
+        """Whether every weight still lies where the table says (one address read each)."""
+        return _addresses(self._sources) == self._addresses
+
+    def decode(
+        self,
+        input_ids: np.ndarray,  # int64 [n]
+        positions: np.ndarray,  # int64 [n]: each token's position (its sequence's length - 1)
+        slots: np.ndarray,  # int64 [n]
+        tables: np.ndarray,  # int32 [n, W], C-contiguous
+        seq_lens: np.ndarray,  # int64 [n]: context length including the token
+    ) -> torch.Tensor:
+        """float32 logits ``[n, vocab]``; writes the step's K/V into the pools. ``ValueError``
+        for an index outside the model or the pool (nothing is written then)."""
+        d = self.dims
+        n = len(input_ids)
+        if not 0 < n <= MAX_ROWS:
+            raise ValueError(f"the native decoder takes 1..{MAX_ROWS} sequences, got {n}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= d.vocab_rows:
+            raise ValueError(f"token ids outside the embedding's {d.vocab_rows} rows")
+        width = tables.shape[1]
+        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > width * self.block_size:
+            raise ValueError(f"decode lengths {seq_lens.tolist()} outside their block tables")
+        if int(tables.min()) < 0 or int(tables.max()) >= self.num_blocks:
+            raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
+        if int(slots.min()) < 0 or int(slots.max()) >= self.num_blocks * self.block_size:
+            raise ValueError("a K/V slot outside the pool")
+        if not np.array_equal(positions, seq_lens - 1):
+            raise ValueError("a decode token must sit at its sequence's last position")
+        pos = torch.from_numpy(positions)[None]
+        probe = torch.empty((1, n, 0), dtype=torch.float32)  # rotary reads its dtype/device
+        cos, sin = self._rotary(probe, pos)  # [1, n, head_dim] each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
+        slot = np.ascontiguousarray(slots, dtype=np.int64)
+        tab = np.ascontiguousarray(tables, dtype=np.int32)
+        logits = torch.empty((n, d.vocab), dtype=torch.float32)
+        embed, norm, lm_head, lm_bias = self._globals
+        self.kernel(
+            self._table.ctypes.data, self._table.shape[1], len(self.windows),
+            self.windows.ctypes.data, self.scales.ctypes.data, embed, norm, lm_head,
+            lm_bias or None, d.vocab, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.eps,
+            self.block_size, n, ids.ctypes.data, cos.data_ptr(), sin.data_ptr(),
+            slot.ctypes.data, tab.ctypes.data, tab.shape[1], lens.ctypes.data,
+            logits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return logits
+
+
+def _addresses(sources: list[tuple[torch.nn.Module, str]]) -> list[int]:
+    """The address of each (module, attribute)'s tensor now; 0 for None (no bias)."""
+    found = [getattr(module, name) for module, name in sources]
+    return [0 if t is None else t.data_ptr() for t in found]
+
+
+def _check(
+    model: Any,  # a PreTrainedModel of any family: its attributes are read, and checked, here
+    layers: Sequence[LayerAttention],
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+) -> tuple[list[tuple[torch.nn.Module, str]], _Dims] | str:
+    """Where every weight is, in the table's order (per layer, then embedding, final norm, LM
+    head and its bias) and the sizes, or the first reason the model does not fit the native
+    decoder."""
+    classes = FAMILIES.get(type(model))
+    if classes is None:
+        return f"{type(model).__name__} is not one of {sorted(c.__name__ for c in FAMILIES)}"
+    model_cls, layer_cls, attn_cls, mlp_cls, norm_cls = classes
+    cfg: Any = getattr(model, "config", None)
+    inner: Any = getattr(model, "model", None)
+    if not _exactly(inner, model_cls) or cfg is None:
+        return f"the inner model is not a {model_cls.__name__}"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {getattr(cfg, 'hidden_act', None)!r}, not silu"
+    blocks = list(inner.layers)
+    if len(blocks) != cfg.num_hidden_layers or len(layers) != len(blocks):
+        return "the layer count differs between the config, the modules and the attention audit"
+    if any(a.softcap is not None for a in layers):
+        return "an attention logit soft-cap"
+    if len(k_caches) != len(blocks) or len(v_caches) != len(blocks):
+        return "one K and one V pool per layer are needed"
+    pools = [*k_caches, *v_caches]
+    if any(p.dtype != torch.float32 or not p.is_cpu or not p.is_contiguous() for p in pools):
+        return "the K/V pools are not contiguous fp32 CPU tensors"
+    embed = inner.embed_tokens
+    if not _exactly(embed, torch.nn.Embedding) or not _exactly(inner.norm, norm_cls):
+        return "the embedding or the final norm is not the family's own module"
+    lm: Any = model.lm_head
+    if not (isinstance(lm, torch.nn.Linear) and linear_cpu.routed(lm)) or not _fp32(
+        lm.weight, lm.bias
+    ):
+        return "the LM head is not a routed fp32 nn.Linear"
+    hidden = int(cfg.hidden_size)
+    attn0 = blocks[0].self_attn
+    head_dim = int(attn0.head_dim)
+    heads = attn0.q_proj.out_features // head_dim
+    kv_heads = attn0.k_proj.out_features // head_dim
+    inter = blocks[0].mlp.gate_proj.out_features
+    norms: list[Any] = [inner.norm]
+    sources: list[tuple[torch.nn.Module, str]] = []
+    for i, block in enumerate(blocks):
+        attn, mlp = block.self_attn, block.mlp
+        if (type(block), type(attn), type(mlp)) != (layer_cls, attn_cls, mlp_cls):
+            return f"layer {i} is not the family's decoder layer, attention and MLP"
+        if not _exactly(block.input_layernorm, norm_cls):
+            return f"layer {i}'s input norm is not {norm_cls.__name__}"
+        if not _exactly(block.post_attention_layernorm, norm_cls):
+            return f"layer {i}'s post-attention norm is not {norm_cls.__name__}"
+        if not _exactly(mlp.act_fn, SiLUActivation):
+            return f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU"
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(linear_cpu.routed(m) and _fp32(m.weight, m.bias) for m in linears):
+            return f"layer {i} has a matmul the few-row kernel does not take"
+        shapes = [tuple(m.weight.shape) for m in linears]
+        q_w, kv_w = heads * head_dim, kv_heads * head_dim
+        want = [(q_w, hidden), (kv_w, hidden), (kv_w, hidden), (hidden, q_w)]
+        want += [(inter, hidden), (inter, hidden), (hidden, inter)]
+        if shapes != want or int(attn.head_dim) != head_dim:
+            return f"layer {i}'s projections {shapes} are not those of layer 0 ({want})"
+        norms += [block.input_layernorm, block.post_attention_layernorm]
+        q, k, v, o, gate, up, down = linears
+        sources.append((block.input_layernorm, "weight"))
+        sources += [(m, name) for m in (q, k, v, o) for name in ("weight", "bias")]
+        sources.append((block.post_attention_layernorm, "weight"))
+        sources += [(m, name) for m in (gate, up, down) for name in ("weight", "bias")]
+    eps = {float(m.variance_epsilon) for m in norms}
+    if len(eps) != 1:
+        return f"the RMSNorms' epsilons differ: {sorted(eps)}"
+    weights = [m.weight for m in norms] + [embed.weight]
+    if not _fp32(*weights) or any(w.shape[-1] != hidden for w in weights):
+        return "a norm or the embedding is not a contiguous fp32 CPU tensor of the hidden size"
+    if head_dim % 2 or heads % kv_heads:
+        return f"head_dim {head_dim} odd or {heads} heads not a multiple of {kv_heads}"
+    if tuple(k_caches[0].shape[2:]) != (kv_heads, head_dim):
+        return f"the pools' heads x dim {tuple(k_caches[0].shape[2:])} differ from the model's"
+    cos, _ = inner.rotary_emb(torch.empty((1, 2, 0)), torch.arange(2)[None])
+    if tuple(cos.shape) != (1, 2, head_dim) or cos.dtype != torch.float32:
+        return f"the rotary embedding gives {tuple(cos.shape)}, not (1, 2, {head_dim}) fp32"
+    if tuple(lm.weight.shape[1:]) != (hidden,):
+        return "the LM head does not take the hidden size"
+    sources += [(embed, "weight"), (inner.norm, "weight"), (lm, "weight"), (lm, "bias")]
+    vocab, vocab_rows = int(lm.weight.shape[0]), int(embed.weight.shape[0])
+    return sources, _Dims(hidden, heads, kv_heads, head_dim, inter, vocab, vocab_rows, eps.pop())
+
+
+def _fp32(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given (None: an absent bias) is a contiguous fp32 CPU tensor."""
+    return all(
+        t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()) for t in tensors
+    )
+
+
+def _exactly(obj: object, cls: type) -> bool:
+    """``type(obj) is cls``: a subclass may compute something else."""
+    return type(obj) is cls

@@ -1,0 +1,228 @@
+"""The native decode step (``kernels/csrc/decoder_decode.c``, driven by ``kernels/decoder_cpu``).
+
+Its contract: in a pure decode step of at most 16 sequences of a Llama-shaped model, the logits
+equal the module path's to rounding (its matmuls and attention are the same kernels; RMSNorm's
+sum of squares and SiLU's exp round differently: compared at 1e-5 of the logits' scale, where
+fp32 rounding through two layers is ~1e-7) and greedy tokens are identical, for plain Llama
+(GQA 8:2), Llama 3.1's RoPE scaling, Mistral's sliding window (contexts run past it) and Qwen2's
+projection biases. Every other model or step takes the module path; a model whose weights moved
+since the stack was built gets a rebuilt one (never a stale address); an index outside the model
+or the pool is a ``ValueError`` before anything is written. The HF equivalence suite runs its
+decode steps through this path too (the engine uses it wherever it applies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from quire_engine import LLM, SamplingParams
+from quire_engine.kernels import decoder_cpu
+from quire_engine.model_runner import ModelRunner
+from tests.engine_tests.models import build
+from tests.engine_tests.toolchain import require_native_kernels
+
+REL_TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    require_native_kernels()
+
+
+def _prompts() -> list[list[int]]:
+    # Lengths 1..45: decode contexts from 2 to 75 positions, past Mistral's window of 20.
+    return [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((1, 5, 17, 30, 45))]
+
+
+def _llm(model_dir: Path) -> LLM:
+    # No prefix cache: a second run must schedule exactly the same steps as the first.
+    return LLM(
+        str(model_dir), device="cpu", block_size=16, num_blocks=64, enable_prefix_caching=False
+    )
+
+
+class _Recorder:
+    """Every step's logits from the runner, and how many steps any native decoder took."""
+
+    def __init__(self, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.logits: list[torch.Tensor] = []
+        self.native_steps = 0
+        execute = runner.execute
+        decode = decoder_cpu.DecoderStack.decode
+
+        def recording(out: Any) -> torch.Tensor:
+            result = execute(out)
+            self.logits.append(result.clone())
+            return result
+
+        def counting(stack: decoder_cpu.DecoderStack, *args: Any) -> torch.Tensor:
+            self.native_steps += 1
+            return decode(stack, *args)
+
+        monkeypatch.setattr(runner, "execute", recording)
+        monkeypatch.setattr(decoder_cpu.DecoderStack, "decode", counting)
+
+
+def _generate(llm: LLM, max_tokens: int = 30) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), params)]
+
+
+def _assert_logits_close(native: list[torch.Tensor], module: list[torch.Tensor]) -> None:
+    assert len(native) == len(module)
+    for step, (a, b) in enumerate(zip(native, module, strict=True)):
+        scale = float(b.abs().max())
+        err = float((a - b).abs().max())
+        assert err <= REL_TOL * scale, f"step {step}: logits differ by {err:.2e} (scale {scale})"
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "mistral", "qwen2"])
+def test_decode_steps_match_the_module_path(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _llm(build(arch, tmp_path / arch))
+    runner = llm.engine.runner
+    stack = runner.decoder
+    assert stack is not None, f"{arch} should run through the native decoder"
+    rec = _Recorder(runner, monkeypatch)
+    native_tokens = _generate(llm)
+    native_logits, native_steps = list(rec.logits), rec.native_steps
+    # Every step after the prompts' prefill is a pure decode step of <= 5 sequences.
+    assert native_steps >= 29, native_steps
+    rec.logits.clear()
+    runner.decoder = None  # the module path for every step
+    assert _generate(llm) == native_tokens
+    _assert_logits_close(native_logits, rec.logits)
+
+
+def test_other_models_and_steps_take_the_module_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gemma = _llm(build("gemma2", tmp_path / "gemma2"))  # soft-caps, another decoder layer
+    assert gemma.engine.runner.decoder is None
+    gelu = _llm(build("llama", tmp_path / "gelu", hidden_act="gelu"))
+    assert gelu.engine.runner.decoder is None
+    model = gelu.engine.runner.model
+    runner = gelu.engine.runner
+    reason = decoder_cpu.DecoderStack.build(
+        model, runner._layers, runner.k_caches, runner.v_caches, 16, _kernel()
+    )
+    assert reason == "activation 'gelu', not silu"
+    # More sequences than the few-row kernel takes: module path for those steps.
+    llm = _llm(build("llama", tmp_path / "llama"))
+    rec = _Recorder(llm.engine.runner, monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([[i + 1, i + 2] for i in range(decoder_cpu.MAX_ROWS + 1)], params)
+    assert rec.native_steps == 0
+
+
+def _kernel() -> Any:
+    from quire_engine.kernels import native
+
+    kernel = native.decoder_decode()
+    assert kernel is not None
+    return kernel
+
+
+def test_moved_weights_rebuild_the_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _llm(build("llama", tmp_path / "llama"))
+    runner = llm.engine.runner
+    before = runner.decoder
+    assert before is not None
+    reference = _generate(llm, 12)
+    down = runner.model.model.layers[1].mlp.down_proj
+    down.weight.data = down.weight.data.clone()  # new storage, same values
+    assert not before.current()
+    assert _generate(llm, 12) == reference
+    rebuilt = runner.decoder
+    assert rebuilt is not None and rebuilt is not before and rebuilt.current()
+    # New values: the native path must read them, i.e. agree with the module path on them.
+    down.weight.data = down.weight.data * 1.5
+    rec = _Recorder(runner, monkeypatch)
+    changed = _generate(llm, 12)
+    assert runner.decoder is not None and runner.decoder is not rebuilt
+    assert rec.native_steps >= 11
+    native_logits = list(rec.logits)
+    rec.logits.clear()
+    runner.decoder = None
+    assert _generate(llm, 12) == changed
+    _assert_logits_close(native_logits, rec.logits)
+
+
+def _captured_inputs(llm: LLM) -> tuple[decoder_cpu.DecoderStack, list[np.ndarray]]:
+    """The stack and the arguments of one of its real decode calls."""
+    stack = llm.engine.runner.decoder
+    assert stack is not None
+    calls: list[list[np.ndarray]] = []
+    decode = stack.decode
+
+    def capturing(*args: np.ndarray) -> torch.Tensor:
+        calls.append([a.copy() for a in args])
+        return decode(*args)
+
+    stack.decode = capturing  # type: ignore[method-assign]
+    _generate(llm, 4)
+    stack.decode = decode  # type: ignore[method-assign]
+    assert calls
+    return stack, calls[-1]
+
+
+def _change(args: list[np.ndarray], index: int, fn: Callable[[np.ndarray], None]) -> list[Any]:
+    changed = [a.copy() for a in args]
+    fn(changed[index])
+    return changed
+
+
+def test_indices_outside_the_model_or_pool_are_refused(tmp_path: Path) -> None:
+    llm = _llm(build("llama", tmp_path / "llama"))
+    stack, args = _captured_inputs(llm)
+    runner = llm.engine.runner
+    pools = [c.clone() for c in runner.k_caches + runner.v_caches]
+    ids, positions, slots, tables, lens = range(5)
+
+    def set_first(value: int) -> Callable[[np.ndarray], None]:
+        def put(a: np.ndarray) -> None:
+            a.flat[0] = value
+
+        return put
+
+    bad = {
+        "token ids outside": _change(args, ids, set_first(stack.dims.vocab_rows)),
+        "negative token": _change(args, ids, set_first(-1)),
+        "block id outside": _change(args, tables, set_first(stack.num_blocks)),
+        "lengths": _change(args, lens, set_first(args[tables].shape[1] * 16 + 1)),
+        "slot outside": _change(args, slots, set_first(stack.num_blocks * 16)),
+        "last position": _change(args, positions, set_first(0)),
+    }
+    for what, call in bad.items():
+        with pytest.raises(ValueError):
+            stack.decode(*call)
+        after = runner.k_caches + runner.v_caches
+        assert all(torch.equal(a, b) for a, b in zip(pools, after, strict=True)), what
+    with pytest.raises(ValueError, match=r"1\.\.16 sequences"):
+        stack.decode(*(np.repeat(a, 17, axis=0) for a in args))
+
+
+def test_a_stand_in_model_is_not_bypassed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench step`` replaces the runner's model with a stand-in: the native decoder, built for
+    the real model, must not run in its place."""
+    llm = _llm(build("llama", tmp_path / "llama"))
+    runner = llm.engine.runner
+    rec = _Recorder(runner, monkeypatch)
+    real = runner.model
+    calls = 0
+
+    def stand_in(**kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(**kwargs)
+
+    runner.model = stand_in  # type: ignore[assignment]
+    _generate(llm, 6)
+    assert rec.native_steps == 0 and calls >= 6
