@@ -40,10 +40,14 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((1, 5, 17, 30, 45))]
 
 
-def _llm(model_dir: Path) -> LLM:
+def _llm(model_dir: Path, num_blocks: int = 64) -> LLM:
     # No prefix cache: a second run must schedule exactly the same steps as the first.
     return LLM(
-        str(model_dir), device="cpu", block_size=16, num_blocks=64, enable_prefix_caching=False
+        str(model_dir),
+        device="cpu",
+        block_size=16,
+        num_blocks=num_blocks,
+        enable_prefix_caching=False,
     )
 
 
@@ -114,8 +118,8 @@ def test_other_models_and_steps_take_the_module_path(
         model, runner._layers, runner.k_caches, runner.v_caches, 16, _kernel()
     )
     assert reason == "activation 'gelu', not silu"
-    # More sequences than the few-row kernel takes: module path for those steps.
-    llm = _llm(build("llama", tmp_path / "llama"))
+    # More sequences than the native decoder takes: module path for those steps.
+    llm = _llm(build("llama", tmp_path / "llama"), num_blocks=2 * decoder_cpu.MAX_ROWS + 2)
     rec = _Recorder(llm.engine.runner, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     llm.generate([[i + 1, i + 2] for i in range(decoder_cpu.MAX_ROWS + 1)], params)
@@ -205,8 +209,9 @@ def test_indices_outside_the_model_or_pool_are_refused(tmp_path: Path) -> None:
             stack.decode(*call)
         after = runner.k_caches + runner.v_caches
         assert all(torch.equal(a, b) for a, b in zip(pools, after, strict=True)), what
-    with pytest.raises(ValueError, match=r"1\.\.16 sequences"):
-        stack.decode(*(np.repeat(a, 17, axis=0) for a in args))
+    too_many = decoder_cpu.MAX_ROWS + 1
+    with pytest.raises(ValueError, match=rf"1\.\.{too_many - 1} sequences"):
+        stack.decode(*(np.resize(a, (too_many, *a.shape[1:])) for a in args))
 
 
 def test_a_stand_in_model_is_not_bypassed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -226,3 +231,28 @@ def test_a_stand_in_model_is_not_bypassed(tmp_path: Path, monkeypatch: pytest.Mo
     runner.model = stand_in  # type: ignore[assignment]
     _generate(llm, 6)
     assert rec.native_steps == 0 and calls >= 6
+
+
+def test_a_rows_logits_do_not_depend_on_its_batch(tmp_path: Path) -> None:
+    """One-token prompts make every step a pure decode step: a sequence decoded alone and in a
+    batch of 31 (past the 16 rows where the module path would switch to the BLAS) gets the same
+    bits at every step."""
+    llm = _llm(build("llama", tmp_path / "llama"))
+    engine = llm.engine
+    seen: dict[int, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def recording(out: Any) -> torch.Tensor:
+        logits = execute(out)
+        for row, seq in enumerate(out.seqs):
+            if seq.prompt_token_ids == [5]:
+                seen.setdefault(len(out.seqs), []).append(logits[row].clone())
+        return logits
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([[5]], params)
+    llm.generate([[5]] + [[100 + i] for i in range(30)], params)
+    assert sorted(seen) == [1, 31] and len(seen[1]) == len(seen[31]) == 12
+    for step, (alone, batched) in enumerate(zip(seen[1], seen[31], strict=True)):
+        assert torch.equal(alone, batched), f"step {step}"

@@ -38,7 +38,7 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     assert err < TOL, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (2, 8), (3, 7), (37, 100), (64, 512), (5, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_a_float64_product(
@@ -58,11 +58,12 @@ def test_strided_rows_and_output(kernel: native.SkinnyLinear) -> None:
     base = torch.randn(9, 40, generator=gen)
     x = base[::2, 3:35]  # row stride 80, K contiguous
     w = torch.randn(11, 32, generator=gen)
-    wide = torch.full((5, 20), float("nan"))
-    out = wide[:, 4:15]  # row stride 20, N contiguous
-    kernel(x, w, None, out)
-    _close(out, x, w, None)
-    assert wide[:, :4].isnan().all() and wide[:, 15:].isnan().all(), "wrote outside out"
+    for rows in range(1, 6):  # 1-4 rows: the tiles wide in W (8, 4, 4, 3); 5: the 2-row tiles
+        wide = torch.full((rows, 20), float("nan"))
+        out = wide[:, 4:15]  # row stride 20, N contiguous
+        kernel(x[:rows], w, None, out)
+        _close(out, x[:rows], w, None)
+        assert wide[:, :4].isnan().all() and wide[:, 15:].isnan().all(), "wrote outside out"
 
 
 def test_each_row_is_independent_of_batch_and_threads(kernel: native.SkinnyLinear) -> None:
@@ -72,7 +73,9 @@ def test_each_row_is_independent_of_batch_and_threads(kernel: native.SkinnyLinea
     b = torch.randn(45, generator=gen)
     full = torch.empty(16, 45)
     kernel(x, w, b, full)
-    for rows in (range(1), range(3, 4), range(5, 12), range(10, 16)):
+    # Every tile shape: 1-4 rows (wide in W), 6-row groups and their tails.
+    slices = (range(1), range(3, 4), range(2, 4), range(4, 7), range(8, 12), range(5, 12))
+    for rows in (*slices, range(10, 16)):
         part = torch.empty(len(rows), 45)
         kernel(x[rows.start : rows.stop], w, b, part, num_threads=2)
         assert torch.equal(part, full[rows.start : rows.stop]), f"rows {rows} changed bits"

@@ -1,33 +1,37 @@
 """A decode step of a few sequences of a Llama-shaped model on CPU, in one native call.
 
 At a few rows a decode step streams every weight once and does little arithmetic, so the
-matmuls (``linear_cpu``) and the attention (``native.paged_decode``) are at this machine's
+matmuls (``linear_cpu``) and the attention (``native.paged_decode``) run at this machine's
 memory bound already, and what the module-by-module forward adds is dispatch: RMSNorm as seven
-tensor ops, RoPE as eight, SiLU, residual adds, views and a Python call per module, about a
-fifth of such a step for the 32.5M Llama (``--profile``'s ``forward_other``).
-``csrc/decoder_decode.c`` runs the whole stack in one call instead, through the same matmul
-and attention kernels, and this module decides when it may.
+tensor ops, RoPE as eight, SiLU, residual adds, views and a Python call per module and per op.
+``csrc/decoder_decode.c`` runs the whole stack in one call instead, through the same matmul and
+attention kernels, and this module decides when it may. Decode steps of the 32.5M Llama on one
+thread took 0.65x the module path's time at 1-4 sequences and 0.80-0.86x at 8-16 (alternating
+runs in one process; ``MAX_ROWS`` below for larger steps).
 
 When: the model is one of ``FAMILIES`` (their decoder layer is transformers' Llama layer:
 pre-norm RMSNorm, RoPE over the full head, SiLU-gated MLP, no logit scaling or soft-cap) with
 exactly those module classes, fp32 weights that ``linear_cpu`` routes, and every layer's
 attention plain or windowed (``attention.LayerAttention``); and the step is a pure decode step
-(every sequence one new token, every one sampling) of at most ``linear_cpu.MAX_ROWS``
-sequences. Anything else takes the module path, unchanged.
+(every sequence one new token, every one sampling) of at most ``MAX_ROWS`` sequences.
+Anything else takes the module path, unchanged.
 
-What equals what: the matmuls and the attention are the kernels the module path calls for the
-same rows (same bits), RoPE and the residual adds are the same float operations in the same
-order (same bits), cos/sin come from the model's own rotary module (same bits); RMSNorm's sum of
-squares and SiLU's exp are rounded differently from torch's. So logits equal the module path's
-to rounding, and the HF equivalence suite (which runs through this path for its decode steps)
-checks greedy tokens against transformers' ``generate``.
+What equals what: the attention is the kernel the module path calls (same bits), and so are the
+matmuls up to 16 sequences (above, the module path's BLAS differs by rounding); RoPE and the
+residual adds are the same float operations in the same order, on cos/sin from the model's own
+rotary module (same bits); RMSNorm's sum of squares and SiLU's exp round differently from
+torch's. So logits equal the module path's to rounding, each row's logits are the same bits
+whatever other rows share the step (every part is computed row by row, in an order that depends
+only on the row), and the HF equivalence suite, whose decode steps run through here, checks
+greedy tokens against transformers' ``generate``.
 
-Ownership: a ``DecoderStack`` reads (never writes) the model's weights and writes K/V into the
-runner's pools at the step's slots, exactly as the module path does. It passes raw addresses to
-C, so before every step it re-reads each weight's address and refuses the step (the caller then
-runs the module path) if any changed since it was built (``model.to``, ``.data =``), and it
-checks every index it passes: token ids inside the embedding, block ids inside the pool, lengths
-inside their tables. CPU only: on CUDA the per-op cost it removes is what CUDA graphs remove.
+Ownership: a ``DecoderStack`` reads (never writes) the model's weights and writes each step's
+K/V into the runner's pools at its slots, as the module path does. It hands raw addresses to C,
+so ``current`` re-reads every weight's address before each step and the runner rebuilds the
+stack (or drops it, if the model no longer fits) when one moved (``model.to``, ``.data =``);
+``decode`` checks every index before the call: token ids inside the embedding, block ids inside
+the pool, lengths inside their tables, slots inside the pool. CPU only: on CUDA the per-op cost
+removed here is what CUDA graphs remove.
 """
 
 from __future__ import annotations
@@ -68,7 +72,12 @@ FAMILIES: dict[type, tuple[type, ...]] = {
     ),
 }  # fmt: skip
 
-MAX_ROWS = linear_cpu.MAX_ROWS  # the matmuls are the few-row kernel's: its range
+# The most sequences a step may have to run here. Up to linear_cpu.MAX_ROWS (16) the module path
+# calls the same matmul kernel; above it the module path's BLAS is as fast as that kernel alone,
+# and the dispatch saved still wins: in alternating runs of decode steps of the 32.5M Llama on one
+# thread, this path took 0.79-0.82x the module path's time at 24-48 sequences of ~330 tokens,
+# 0.96x at 64 and 128 sequences of ~70 tokens, and 1.10x at 256 (the BLAS's GEMM wins there).
+MAX_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)

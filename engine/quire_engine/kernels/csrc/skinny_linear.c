@@ -17,7 +17,12 @@
  *
  * Tiling: a tile is ROWS_W rows of W against up to ROWS_X rows of x, ROWS_W * ROWS_X vector
  * accumulators of LANES floats (12 of AVX2's 16 registers, with two for W and one for x), so
- * each W vector is loaded once per tile and x stays in L1. Order of summation: y[m, n] is
+ * each W vector is loaded once per tile and x stays in L1. With 1-4 rows of x (one group) the
+ * tiles are wider in W (wide_rows: 8, 4, 4, 3 rows of W): a 2-row tile keeps only 2-8
+ * accumulators and two W streams in flight there. Best of 14 alternating passes over the 32.5M
+ * Llama's 64 weights, cold, one thread, the 2-row tiles -> these: 0.85-0.92x the time at one
+ * row, 0.91 at two, 0.91-0.94 at three, 0.94-0.98 at four (a C harness linking both versions).
+ * Order of summation: y[m, n] is
  * lane l summing k = l, l + LANES, ... below K - K % LANES, then the lanes added pairwise, then
  * the scalar tail, then the bias: the same order whatever M, the tile a row lands in, and the
  * thread count. So a row's result is the same bits whatever the batch around it (batch
@@ -37,6 +42,7 @@
 #define LANES 8
 #define ROWS_W 2
 #define ROWS_X 6
+#define MAX_W 8 /* the widest tile in W (one row of x) */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -73,7 +79,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
                                                        int64_t K, const float *bias, float *y,
                                                        int64_t y_stride, const float *ahead)
 {
-    vec acc[ROWS_X][ROWS_W];
+    vec acc[ROWS_X][MAX_W];
     const int64_t k_vec = K - K % LANES;
 #pragma GCC unroll 8
     for (int i = 0; i < MX; i++)
@@ -81,7 +87,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         for (int j = 0; j < NW; j++)
             acc[i][j] = (vec){0};
     for (int64_t k = 0; k < k_vec; k += LANES) {
-        vec wv[ROWS_W];
+        if (MX == 1) {
+            /* One row of x: each W vector is used once, straight from memory (an operand of the
+             * multiply-add), so NW accumulators and x fit the 16 registers with none spilled. */
+            const vec xv = load(x + k);
+#pragma GCC unroll 8
+            for (int j = 0; j < NW; j++)
+                acc[0][j] = madd(acc[0][j], xv, load(w + j * K + k));
+            continue;
+        }
+        vec wv[MAX_W];
 #pragma GCC unroll 8
         for (int j = 0; j < NW; j++)
             wv[j] = load(w + j * K + k);
@@ -127,6 +142,10 @@ TILE_FN(3, 2)
 TILE_FN(4, 2)
 TILE_FN(5, 2)
 TILE_FN(6, 2)
+TILE_FN(1, 8)
+TILE_FN(2, 4)
+TILE_FN(3, 4)
+TILE_FN(4, 3)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
                         int64_t, const float *);
@@ -135,19 +154,40 @@ static const tile_fn TILES[ROWS_W][ROWS_X] = {
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2},
 };
 
+/* The tile width in W for M rows of x (see the header); ROWS_W beyond one group of x. */
+static int64_t wide_rows(int64_t M)
+{
+    return M == 1 ? 8 : M <= 3 ? 4 : M == 4 ? 3 : ROWS_W;
+}
+
+static tile_fn wide_tile(int64_t M)
+{
+    return M == 1 ? tile_1_8 : M == 2 ? tile_2_4 : M == 3 ? tile_3_4 : M == 4 ? tile_4_3 : NULL;
+}
+
 void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
                          const float *bias, int64_t N, int64_t K, float *y, int64_t y_stride,
                          int64_t num_threads)
 {
-    const int64_t num_tiles = (N + ROWS_W - 1) / ROWS_W;
+    /* Tiles of `wide` rows of W, then the N % wide rows left in tiles of ROWS_W (or one). */
+    const int64_t wide = wide_rows(M);
+    const int64_t num_wide = N / wide, rest = N - num_wide * wide;
+    const int64_t num_tiles = num_wide + (rest + ROWS_W - 1) / ROWS_W;
+    const tile_fn wide_fn = wide > ROWS_W ? wide_tile(M) : NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 1 ? (int)num_threads : 1) \
     if (num_threads > 1 && num_tiles > 1)
     for (int64_t t = 0; t < num_tiles; t++) {
-        const int64_t n = t * ROWS_W;
-        const int64_t nw = N - n < ROWS_W ? N - n : ROWS_W;
-        const int64_t ahead_n = n + 4 * ROWS_W;
-        const float *ahead = ahead_n + ROWS_W <= N ? w + ahead_n * K : NULL;
+        const int64_t n = t < num_wide ? t * wide : num_wide * wide + (t - num_wide) * ROWS_W;
+        const int64_t width = t < num_wide ? wide : ROWS_W;
+        const int64_t nw = N - n < width ? N - n : width;
+        /* Prefetch 4 tiles ahead; not at one row, where the 8-row tile streams best alone. */
+        const int64_t ahead_n = n + 4 * width;
+        const float *ahead = M > 1 && ahead_n + width <= N ? w + ahead_n * K : NULL;
         const float *b = bias != NULL ? bias + n : NULL;
+        if (nw == wide && wide_fn != NULL) {
+            wide_fn(x, x_stride, w + n * K, K, b, y + n, y_stride, ahead);
+            continue;
+        }
         for (int64_t m = 0; m < M; m += ROWS_X) {
             const int64_t mx = M - m < ROWS_X ? M - m : ROWS_X;
             /* W is prefetched by the first row group only: later ones find it in cache. */
