@@ -4,7 +4,8 @@ Owns the model and the KV cache tensors (device pool and CPU swap pool). Each ``
 a ``SchedulerOutput``, performs its block moves (swap-outs, swap-ins, then copy-on-write copies, in
 that order, before any K/V of the step is written), packs the step's new tokens of every sequence
 into one row, runs the forward pass with paged attention and returns the logits of the sequences
-that sample this step.
+that sample this step. On CPU a pure decode step of a few sequences of a Llama-shaped model runs
+as one native call instead of the model's modules (``kernels/decoder_cpu``), on the same pools.
 
 Pool sizing (``size_pool``): an explicit ``num_blocks`` or ``kv_cache_memory`` wins; otherwise on
 CUDA the pool gets ``total_memory * gpu_memory_utilization`` minus the weights and the activation

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from quire_engine.cli import main
+from quire_engine.kernels import native
 
 SMALL = [
     "--hidden-size", "64", "--layers", "1", "--num-prompts", "5", "--mean-prompt-len", "12",
@@ -41,7 +42,8 @@ def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(profile["split_s"]) == phases
     # Prefill runs the modules; decode steps of a few sequences the native decoder.
     assert profile["split_s"]["matmuls"] > 0 and profile["split_s"]["attention"] > 0
-    assert profile["split_s"]["native_decoder"] > 0
+    if native.library() is not None:  # the native kernels built here (always in CI)
+        assert profile["split_s"]["native_decoder"] > 0
     assert "server_cpu_outside_steps_s" in profile
     if "," in systems:
         assert "profile" not in out["transformers"]  # exports no quire_profile_* counters

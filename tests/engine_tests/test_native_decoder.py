@@ -1,14 +1,17 @@
 """The native decode step (``kernels/csrc/decoder_decode.c``, driven by ``kernels/decoder_cpu``).
 
-Its contract: in a pure decode step of at most 16 sequences of a Llama-shaped model, the logits
-equal the module path's to rounding (its matmuls and attention are the same kernels; RMSNorm's
-sum of squares and SiLU's exp round differently: compared at 1e-5 of the logits' scale, where
-fp32 rounding through two layers is ~1e-7) and greedy tokens are identical, for plain Llama
-(GQA 8:2), Llama 3.1's RoPE scaling, Mistral's sliding window (contexts run past it) and Qwen2's
-projection biases. Every other model or step takes the module path; a model whose weights moved
-since the stack was built gets a rebuilt one (never a stale address); an index outside the model
-or the pool is a ``ValueError`` before anything is written. The HF equivalence suite runs its
-decode steps through this path too (the engine uses it wherever it applies).
+Its contract: in a pure decode step of at most ``MAX_ROWS`` (64) sequences of a Llama-shaped
+model, the logits equal the module path's to rounding (its attention, and its matmuls up to 16
+rows, are the same kernels; RMSNorm's sum of squares and SiLU's exp round differently: compared
+at 1e-5 of the logits' scale, where fp32 rounding through two layers is ~1e-7) and greedy tokens
+are identical, for plain Llama (GQA 8:2), Llama 3.1's RoPE scaling, Mistral's sliding window
+(contexts run past it), Qwen2's projection biases, Qwen2 with a windowed and a full layer, and a
+Llama with every bias, tied embeddings and sizes that are not multiples of the kernels' 8 lanes.
+The token comparison is tie-proof: the module path's every top-2 gap is checked against
+``TIE_MARGIN`` first. Every other model or step takes the module path; a model whose modules or
+weights changed since the stack was built gets a rebuilt one (never a stale address); an array
+of the wrong shape or an index outside the model or the pool is a ``ValueError`` before anything
+is written. The HF equivalence suite runs its decode steps through this path too.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.kernels import decoder_cpu
 from quire_engine.model_runner import ModelRunner
-from tests.engine_tests.models import build
+from quire_engine.tiny_model import build_tokenizer
+from tests.engine_tests.models import COMMON, LOCAL_GLOBAL, WINDOW, build
+from tests.engine_tests.ties import TIE_MARGIN
 from tests.engine_tests.toolchain import require_native_kernels
 
 REL_TOL = 1e-5
@@ -86,14 +92,62 @@ def _assert_logits_close(native: list[torch.Tensor], module: list[torch.Tensor])
         assert err <= REL_TOL * scale, f"step {step}: logits differ by {err:.2e} (scale {scale})"
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "mistral", "qwen2"])
+def _every_bias_llama(path: Path) -> Path:
+    """A Llama with biases on every projection (random: transformers zero-initialises them),
+    tied embeddings, one KV head and sizes off the kernels' 8 lanes (hidden 44, head 22, MLP
+    100)."""
+    config = tf.LlamaConfig(
+        **(COMMON | {"hidden_size": 44, "intermediate_size": 100, "tie_word_embeddings": True}),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=22,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = tf.LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                    module.bias.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+MODELS: dict[str, Callable[[Path], Path]] = {
+    "llama": lambda p: build("llama", p),
+    "llama3-rope": lambda p: build("llama3-rope", p),
+    "mistral": lambda p: build("mistral", p),
+    "qwen2": lambda p: build("qwen2", p),
+    "qwen2-local-global": lambda p: build(
+        "qwen2", p, use_sliding_window=True, sliding_window=WINDOW, layer_types=LOCAL_GLOBAL
+    ),
+    "llama-every-bias": _every_bias_llama,
+}
+
+
+def _assert_tie_free(logits: list[torch.Tensor]) -> None:
+    for step, rows in enumerate(logits):
+        top2 = torch.topk(rows, 2, dim=-1).values
+        gap = float((top2[:, 0] - top2[:, 1]).min())
+        assert gap >= TIE_MARGIN, (
+            f"step {step}: a top-2 gap of {gap:.1e} < {TIE_MARGIN}: token identity is not well "
+            "defined there; change the prompts or the model's seed"
+        )
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_decode_steps_match_the_module_path(
-    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm = _llm(build(arch, tmp_path / arch))
+    llm = _llm(MODELS[name](tmp_path / name))
     runner = llm.engine.runner
     stack = runner.decoder
-    assert stack is not None, f"{arch} should run through the native decoder"
+    assert stack is not None, f"{name} should run through the native decoder"
+    if name == "qwen2-local-global":
+        assert stack.windows.tolist() == [WINDOW, 0]
     rec = _Recorder(runner, monkeypatch)
     native_tokens = _generate(llm)
     native_logits, native_steps = list(rec.logits), rec.native_steps
@@ -101,7 +155,9 @@ def test_decode_steps_match_the_module_path(
     assert native_steps >= 29, native_steps
     rec.logits.clear()
     runner.decoder = None  # the module path for every step
-    assert _generate(llm) == native_tokens
+    module_tokens = _generate(llm)
+    _assert_tie_free(rec.logits)
+    assert module_tokens == native_tokens
     _assert_logits_close(native_logits, rec.logits)
 
 
@@ -159,6 +215,28 @@ def test_moved_weights_rebuild_the_stack(tmp_path: Path, monkeypatch: pytest.Mon
     _assert_logits_close(native_logits, rec.logits)
 
 
+def test_a_replaced_module_is_never_run_from_the_old_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapping a module (here a plain ``nn.Linear`` for a projection, as an adapter library
+    would) keeps the old module alive, so its addresses stay valid: ``current`` must notice the
+    module itself. The new one is not routed to the few-row kernel, so the model no longer fits
+    and every later step runs the modules."""
+    llm = _llm(build("llama", tmp_path / "llama"))
+    runner = llm.engine.runner
+    stack = runner.decoder
+    assert stack is not None
+    mlp = runner.model.model.layers[0].mlp
+    fresh = torch.nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    with torch.no_grad():
+        fresh.weight.copy_(mlp.up_proj.weight * 0.5)
+    mlp.up_proj = fresh
+    assert not stack.current()
+    rec = _Recorder(runner, monkeypatch)
+    _generate(llm, 6)
+    assert runner.decoder is None and rec.native_steps == 0
+
+
 def _captured_inputs(llm: LLM) -> tuple[decoder_cpu.DecoderStack, list[np.ndarray]]:
     """The stack and the arguments of one of its real decode calls."""
     stack = llm.engine.runner.decoder
@@ -203,6 +281,10 @@ def test_indices_outside_the_model_or_pool_are_refused(tmp_path: Path) -> None:
         "lengths": _change(args, lens, set_first(args[tables].shape[1] * 16 + 1)),
         "slot outside": _change(args, slots, set_first(stack.num_blocks * 16)),
         "last position": _change(args, positions, set_first(0)),
+        "short slots": [*args[:slots], args[slots][:-1], *args[slots + 1 :]],
+        "short lengths": [*args[:lens], args[lens][:-1]],
+        "flat tables": [*args[:tables], args[tables].ravel(), *args[tables + 1 :]],
+        "short tables": [*args[:tables], args[tables][:-1], *args[tables + 1 :]],
     }
     for what, call in bad.items():
         with pytest.raises(ValueError):

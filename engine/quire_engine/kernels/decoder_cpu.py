@@ -20,17 +20,22 @@ What equals what: the attention is the kernel the module path calls (same bits),
 matmuls up to 16 sequences (above, the module path's BLAS differs by rounding); RoPE and the
 residual adds are the same float operations in the same order, on cos/sin from the model's own
 rotary module (same bits); RMSNorm's sum of squares and SiLU's exp round differently from
-torch's. So logits equal the module path's to rounding, each row's logits are the same bits
-whatever other rows share the step (every part is computed row by row, in an order that depends
-only on the row), and the HF equivalence suite, whose decode steps run through here, checks
-greedy tokens against transformers' ``generate``.
+torch's. So logits equal the module path's to rounding, in these steps each row's logits are
+the same bits whatever other rows share the step (every part is computed row by row, in an order
+that depends only on the row; a step with a prefill runs the modules instead), and the HF
+equivalence suite, whose decode steps run through here, checks greedy tokens against
+transformers' ``generate``.
 
 Ownership: a ``DecoderStack`` reads (never writes) the model's weights and writes each step's
 K/V into the runner's pools at its slots, as the module path does. It hands raw addresses to C,
-so ``current`` re-reads every weight's address before each step and the runner rebuilds the
-stack (or drops it, if the model no longer fits) when one moved (``model.to``, ``.data =``);
-``decode`` checks every index before the call: token ids inside the embedding, block ids inside
-the pool, lengths inside their tables, slots inside the pool. CPU only: on CUDA the per-op cost
+so before each step ``current`` checks that no module of the tree was replaced (a new linear, a
+LoRA wrapper), that every weight is where the table says (``model.to``, ``.data =`` move them)
+and that the model is in eval mode; if not, the runner rebuilds the stack, or drops it for good
+if the model no longer fits. ``decode`` checks every array's shape and every index before the
+call: token ids inside the embedding, block ids inside the pool, lengths inside their tables,
+slots inside the pool. Forward hooks do not run in a native step, so a model with hooks when
+the stack is built is refused (``--profile`` adds its timers later and counts native steps as
+their own phase). CPU only: on CUDA the per-op cost
 removed here is what CUDA graphs remove.
 """
 
@@ -114,6 +119,9 @@ class DecoderStack:
         # read again before each step (a module's weight may have been replaced since).
         self._sources = sources
         self._addresses = _addresses(sources)
+        # Every parent -> child edge of the module tree: a module replaced since (a new linear,
+        # a LoRA wrapper, another rotary) must not run with the old one's weights.
+        self._edges = _edges(model)
         self.dims = dims
         self.windows = windows  # int64 [L], 0: none
         self.scales = scales  # float32 [L]
@@ -143,7 +151,7 @@ class DecoderStack:
         kernel: DecoderDecode,
     ) -> DecoderStack | str:
         """The stack, or why this model cannot run through it (the runner logs it)."""
-        found = _check(model, layers, k_caches, v_caches)
+        found = _check(model, layers, k_caches, v_caches, block_size)
         if isinstance(found, str):
             return found
         sources, dims = found
@@ -155,8 +163,14 @@ class DecoderStack:
         return cls(kernel, model, sources, dims, windows, scales, k_caches, v_caches, block_size)
 
     def current(self) -> bool:
-        """Whether every weight still lies where the table says (one address read each)."""
-        return _addresses(self._sources) == self._addresses
+        """Whether the model is still the one the table describes: the same modules (one
+        identity check per edge of its tree), every weight where the table says (one address
+        read each), in eval mode."""
+        return (
+            not self.model.training
+            and all(parent._modules.get(name) is child for parent, name, child in self._edges)
+            and _addresses(self._sources) == self._addresses
+        )
 
     def decode(
         self,
@@ -172,6 +186,10 @@ class DecoderStack:
         n = len(input_ids)
         if not 0 < n <= MAX_ROWS:
             raise ValueError(f"the native decoder takes 1..{MAX_ROWS} sequences, got {n}")
+        if any(a.shape != (n,) for a in (input_ids, positions, slots, seq_lens)):
+            raise ValueError(f"ids, positions, slots and lengths must each be [{n}]")
+        if tables.ndim != 2 or tables.shape[0] != n or tables.shape[1] < 1:
+            raise ValueError(f"block tables must be [{n}, W >= 1], got {tables.shape}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= d.vocab_rows:
             raise ValueError(f"token ids outside the embedding's {d.vocab_rows} rows")
         width = tables.shape[1]
@@ -215,6 +233,7 @@ def _check(
     layers: Sequence[LayerAttention],
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
+    block_size: int,
 ) -> tuple[list[tuple[torch.nn.Module, str]], _Dims] | str:
     """Where every weight is, in the table's order (per layer, then embedding, final norm, LM
     head and its bias) and the sizes, or the first reason the model does not fit the native
@@ -229,6 +248,11 @@ def _check(
         return f"the inner model is not a {model_cls.__name__}"
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"activation {getattr(cfg, 'hidden_act', None)!r}, not silu"
+    if model.training:
+        return "the model is in training mode (dropout)"
+    hooked = [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        return f"forward hooks on {hooked[:3]}, which a native step would not run"
     blocks = list(inner.layers)
     if len(blocks) != cfg.num_hidden_layers or len(layers) != len(blocks):
         return "the layer count differs between the config, the modules and the attention audit"
@@ -242,6 +266,8 @@ def _check(
     embed = inner.embed_tokens
     if not _exactly(embed, torch.nn.Embedding) or not _exactly(inner.norm, norm_cls):
         return "the embedding or the final norm is not the family's own module"
+    if embed.max_norm is not None:
+        return "an embedding with max_norm (renormalised at lookup)"
     lm: Any = model.lm_head
     if not (isinstance(lm, torch.nn.Linear) and linear_cpu.routed(lm)) or not _fp32(
         lm.weight, lm.bias
@@ -269,6 +295,8 @@ def _check(
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(linear_cpu.routed(m) and _fp32(m.weight, m.bias) for m in linears):
             return f"layer {i} has a matmul the few-row kernel does not take"
+        if not all(_bias_fits(m) for m in linears):
+            return f"layer {i} has a bias that is not one value per output"
         shapes = [tuple(m.weight.shape) for m in linears]
         q_w, kv_w = heads * head_dim, kv_heads * head_dim
         want = [(q_w, hidden), (kv_w, hidden), (kv_w, hidden), (hidden, q_w)]
@@ -289,16 +317,30 @@ def _check(
         return "a norm or the embedding is not a contiguous fp32 CPU tensor of the hidden size"
     if head_dim % 2 or heads % kv_heads:
         return f"head_dim {head_dim} odd or {heads} heads not a multiple of {kv_heads}"
-    if tuple(k_caches[0].shape[2:]) != (kv_heads, head_dim):
-        return f"the pools' heads x dim {tuple(k_caches[0].shape[2:])} differ from the model's"
+    pool_shape = (int(k_caches[0].shape[0]), block_size, kv_heads, head_dim)
+    if any(tuple(p.shape) != pool_shape for p in pools):
+        return f"the pools are not all {pool_shape} (blocks, block size, KV heads, head size)"
     cos, _ = inner.rotary_emb(torch.empty((1, 2, 0)), torch.arange(2)[None])
     if tuple(cos.shape) != (1, 2, head_dim) or cos.dtype != torch.float32:
         return f"the rotary embedding gives {tuple(cos.shape)}, not (1, 2, {head_dim}) fp32"
-    if tuple(lm.weight.shape[1:]) != (hidden,):
-        return "the LM head does not take the hidden size"
+    if tuple(lm.weight.shape[1:]) != (hidden,) or not _bias_fits(lm):
+        return "the LM head does not take the hidden size, or its bias does not fit"
     sources += [(embed, "weight"), (inner.norm, "weight"), (lm, "weight"), (lm, "bias")]
     vocab, vocab_rows = int(lm.weight.shape[0]), int(embed.weight.shape[0])
     return sources, _Dims(hidden, heads, kv_heads, head_dim, inter, vocab, vocab_rows, eps.pop())
+
+
+def _edges(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent._modules.items()
+        if child is not None
+    ]
+
+
+def _bias_fits(linear: torch.nn.Linear) -> bool:
+    return linear.bias is None or tuple(linear.bias.shape) == (linear.out_features,)
 
 
 def _fp32(*tensors: torch.Tensor | None) -> bool:

@@ -1,8 +1,8 @@
 /* One decode step of a Llama-shaped decoder stack on CPU (fp32), every layer in one call.
  *
  * Loaded by quire_engine/kernels/native.py and driven by kernels/decoder_cpu.py for the steps
- * where every sequence decodes one token and there are at most 16 of them (the skinny linear's
- * range). Why: at a few rows a step streams every weight once and computes little, and the
+ * where every sequence decodes one token and there are at most decoder_cpu.MAX_ROWS (64) of
+ * them. Why: at a few rows a step streams every weight once and computes little, and the
  * module-by-module forward spends about a fifth of such a step on per-op dispatch (RMSNorm as
  * seven tensor ops, RoPE as eight, SiLU, residual adds, views, module calls), none of it
  * arithmetic. Here the step is the weight stream, the attention and a few vector loops.
@@ -13,8 +13,8 @@
  *   cache[slot] = k, v ; a = paged_attention(q) ; h = h + (a Wo^T + bo)
  *   x = rmsnorm(h) ; h = h + (silu(x Wg^T) * (x Wu^T)) Wd^T
  * then logits = rmsnorm(h) Wlm^T. Every matmul is quire_skinny_linear and the attention is
- * quire_paged_decode, the kernels the module path calls for the same rows, so those parts give
- * the same bits as there; RoPE and the residual adds are the same float operations in the same
+ * quire_paged_decode, the kernels the module path calls for the same rows (its matmuls up to 16
+ * rows; above, the BLAS), so those parts give the same bits as there; RoPE and the residual adds are the same float operations in the same
  * order (no contraction into fused multiply-adds there); RMSNorm's sum of squares and
  * SiLU's exp differ from torch's by rounding (another summation order, another exp).
  *

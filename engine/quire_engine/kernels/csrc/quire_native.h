@@ -47,9 +47,11 @@ static inline float exp_nonpositive(float x)
     /* The low mantissa bits of `shifted` hold n (as 0x4B400000 + n): move it to the exponent. */
     union {
         float f;
-        int32_t i;
+        uint32_t i;
     } bits = {.f = shifted};
-    bits.i = (bits.i - 0x4B400000 + 127) << 23;
+    /* Unsigned: for a NaN x the bits are garbage (discarded below), and signed overflow or a
+     * shift of a negative value would be undefined behaviour. */
+    bits.i = (bits.i - 0x4B400000u + 127u) << 23;
     const float value = p * bits.f;
     return x != x ? x : (x < -87.3f ? 0.0f : value);
 }
