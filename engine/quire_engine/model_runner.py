@@ -140,7 +140,7 @@ class ModelRunner:
 
     def _native_step(self, x: StepInputs) -> torch.Tensor | None:
         """The step through the native decoder when it applies (see ``decoder_cpu``), else
-        None. The stack is rebuilt, or dropped, when the model's weights moved since."""
+        None. The stack is rebuilt, or dropped, when the model changed since (``current``)."""
         stack = self.decoder
         num_seqs = len(x.counts)
         if (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -42,7 +43,8 @@ def test_serve_bench_launches_peers(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(profile["split_s"]) == phases
     # Prefill runs the modules; decode steps of a few sequences the native decoder.
     assert profile["split_s"]["matmuls"] > 0 and profile["split_s"]["attention"] > 0
-    if native.library() is not None:  # the native kernels built here (always in CI)
+    # Locally the native kernels may not build (no compiler); in CI they must.
+    if native.library() is not None or os.environ.get("CI") == "true":
         assert profile["split_s"]["native_decoder"] > 0
     assert "server_cpu_outside_steps_s" in profile
     if "," in systems:

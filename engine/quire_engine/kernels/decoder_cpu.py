@@ -41,7 +41,6 @@ removed here is what CUDA graphs remove.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,8 +56,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from quire_engine.attention import LayerAttention
 from quire_engine.kernels import linear_cpu
 from quire_engine.kernels.native import DecoderDecode
-
-logger = logging.getLogger(__name__)
+from quire_engine.kernels.paged_attention_cpu import check_decode_tables
 
 # Causal LM class -> (its model, decoder layer, attention, MLP and RMSNorm classes): checked
 # exactly (a subclass may compute something else).
@@ -192,10 +190,7 @@ class DecoderStack:
             raise ValueError(f"block tables must be [{n}, W >= 1], got {tables.shape}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= d.vocab_rows:
             raise ValueError(f"token ids outside the embedding's {d.vocab_rows} rows")
-        width = tables.shape[1]
-        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > width * self.block_size:
-            raise ValueError(f"decode lengths {seq_lens.tolist()} outside their block tables")
-        if int(tables.min()) < 0 or int(tables.max()) >= self.num_blocks:
+        if check_decode_tables(tables, seq_lens, self.block_size) >= self.num_blocks:
             raise ValueError(f"a block id outside the pool of {self.num_blocks} blocks")
         if int(slots.min()) < 0 or int(slots.max()) >= self.num_blocks * self.block_size:
             raise ValueError("a K/V slot outside the pool")
@@ -269,9 +264,7 @@ def _check(
     if embed.max_norm is not None:
         return "an embedding with max_norm (renormalised at lookup)"
     lm: Any = model.lm_head
-    if not (isinstance(lm, torch.nn.Linear) and linear_cpu.routed(lm)) or not _fp32(
-        lm.weight, lm.bias
-    ):
+    if not (linear_cpu.routed(lm) and linear_cpu.readable(lm.weight, lm.bias)):  # an nn.Linear
         return "the LM head is not a routed fp32 nn.Linear"
     hidden = int(cfg.hidden_size)
     attn0 = blocks[0].self_attn
@@ -293,7 +286,7 @@ def _check(
             return f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(linear_cpu.routed(m) and _fp32(m.weight, m.bias) for m in linears):
+        if not all(linear_cpu.routed(m) and linear_cpu.readable(m.weight, m.bias) for m in linears):
             return f"layer {i} has a matmul the few-row kernel does not take"
         if not all(_bias_fits(m) for m in linears):
             return f"layer {i} has a bias that is not one value per output"
@@ -313,7 +306,7 @@ def _check(
     if len(eps) != 1:
         return f"the RMSNorms' epsilons differ: {sorted(eps)}"
     weights = [m.weight for m in norms] + [embed.weight]
-    if not _fp32(*weights) or any(w.shape[-1] != hidden for w in weights):
+    if not linear_cpu.readable(*weights) or any(w.shape[-1] != hidden for w in weights):
         return "a norm or the embedding is not a contiguous fp32 CPU tensor of the hidden size"
     if head_dim % 2 or heads % kv_heads:
         return f"head_dim {head_dim} odd or {heads} heads not a multiple of {kv_heads}"
@@ -341,13 +334,6 @@ def _edges(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.
 
 def _bias_fits(linear: torch.nn.Linear) -> bool:
     return linear.bias is None or tuple(linear.bias.shape) == (linear.out_features,)
-
-
-def _fp32(*tensors: torch.Tensor | None) -> bool:
-    """Whether every tensor given (None: an absent bias) is a contiguous fp32 CPU tensor."""
-    return all(
-        t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()) for t in tensors
-    )
 
 
 def _exactly(obj: object, cls: type) -> bool:

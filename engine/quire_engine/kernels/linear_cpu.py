@@ -29,11 +29,11 @@ from quire_engine.kernels.native import SkinnyLinear
 MAX_ROWS = 16
 
 
-def _readable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel can read this weight and bias: fp32, on CPU, contiguous."""
+def readable(*tensors: torch.Tensor | None) -> bool:
+    """Whether the native kernels can read these tensors (None: an absent bias): fp32, on
+    CPU, contiguous."""
     return all(
-        t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-        for t in ((weight,) if bias is None else (weight, bias))
+        t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()) for t in tensors
     )
 
 
@@ -61,7 +61,7 @@ class _Routed:
             or x.dtype != torch.float32
             or not x.is_cpu
             or weight.shape[1] != width
-            or not _readable(weight, bias)
+            or not readable(weight, bias)
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
             return F.linear(x, weight, bias)
@@ -85,7 +85,7 @@ def install(model: torch.nn.Module, kernel: SkinnyLinear) -> int:
             isinstance(module, torch.nn.Linear)
             and type(module).forward is torch.nn.Linear.forward
             and "forward" not in vars(module)
-            and _readable(module.weight, module.bias)
+            and readable(module.weight, module.bias)
         ):
             module.forward = _Routed(module, kernel)  # type: ignore[method-assign,assignment]
             routed += 1

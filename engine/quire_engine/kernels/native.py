@@ -10,7 +10,7 @@
   (``linear_cpu`` routes the calls).
 * ``csrc/decoder_decode.c``: a whole decode step of a few sequences of a Llama-shaped model in
   one call, built on the two kernels above (``decoder_cpu`` checks the model and drives it):
-  at a few rows the module-by-module forward spends a fifth of the step dispatching small ops.
+  at a few rows the module-by-module forward pays per-op dispatch that this call does not.
 
 ``csrc/quire_native.h`` declares every kernel's entry point and the math they share.
 

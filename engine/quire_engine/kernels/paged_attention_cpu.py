@@ -226,12 +226,19 @@ def _native_decode(
     tables = np.ascontiguousarray(block_tables[decode], dtype=np.int32)
     rows = query_start_loc[:-1][decode].astype(np.int64)
     lens = seq_lens[decode].astype(np.int64)
+    max_block = check_decode_tables(tables, lens, block_size)
+    return _NativeDecode(kernel, rows, tables, lens, max_block, num_threads)
+
+
+def check_decode_tables(tables: np.ndarray, lens: np.ndarray, block_size: int) -> int:
+    """The largest block id in ``tables`` [n, W] (0 when empty), for the caller to check
+    against its pool; ``ValueError`` for a negative id or a length outside 1 .. W *
+    block_size: an index the native kernel would follow out of bounds."""
     if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
         raise ValueError(f"decode lengths {lens.tolist()} outside their block tables")
-    max_block = int(tables.max()) if tables.size else 0
     if tables.size and int(tables.min()) < 0:
         raise ValueError("negative block id in a decode block table")
-    return _NativeDecode(kernel, rows, tables, lens, max_block, num_threads)
+    return int(tables.max()) if tables.size else 0
 
 
 def _decode_chunks(

@@ -154,26 +154,21 @@ static const tile_fn TILES[ROWS_W][ROWS_X] = {
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2},
 };
 
-/* The tile width in W for M rows of x (see the header); ROWS_W beyond one group of x. */
-static int64_t wide_rows(int64_t M)
-{
-    return M == 1 ? 8 : M <= 3 ? 4 : M == 4 ? 3 : ROWS_W;
-}
-
-static tile_fn wide_tile(int64_t M)
-{
-    return M == 1 ? tile_1_8 : M == 2 ? tile_2_4 : M == 3 ? tile_3_4 : M == 4 ? tile_4_3 : NULL;
-}
+/* The tile wide in W for M = 1..4 rows of x (see the header); beyond, ROWS_W-row tiles. */
+static const struct {
+    int64_t rows;
+    tile_fn fn;
+} WIDE[5] = {{0, NULL}, {8, tile_1_8}, {4, tile_2_4}, {4, tile_3_4}, {3, tile_4_3}};
 
 void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
                          const float *bias, int64_t N, int64_t K, float *y, int64_t y_stride,
                          int64_t num_threads)
 {
     /* Tiles of `wide` rows of W, then the N % wide rows left in tiles of ROWS_W (or one). */
-    const int64_t wide = wide_rows(M);
+    const tile_fn wide_fn = M <= 4 ? WIDE[M].fn : NULL;
+    const int64_t wide = wide_fn != NULL ? WIDE[M].rows : ROWS_W;
     const int64_t num_wide = N / wide, rest = N - num_wide * wide;
     const int64_t num_tiles = num_wide + (rest + ROWS_W - 1) / ROWS_W;
-    const tile_fn wide_fn = wide > ROWS_W ? wide_tile(M) : NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 1 ? (int)num_threads : 1) \
     if (num_threads > 1 && num_tiles > 1)
     for (int64_t t = 0; t < num_tiles; t++) {
