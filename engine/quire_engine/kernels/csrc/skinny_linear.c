@@ -1,9 +1,10 @@
 /* y = x W^T + b on CPU (fp32) for a few rows of x: the matmuls of a decode step with a small
- * batch (1-16 sequences), where every step streams all the model's weights from memory and
- * does little arithmetic with each.
+ * batch, where every step streams all the model's weights from memory and does little
+ * arithmetic with each.
  *
  * Loaded by quire_engine/kernels/native.py and called through kernels/linear_cpu.py for
- * nn.Linear forwards with at most linear_cpu.MAX_ROWS rows. Why not the BLAS: a general sgemm
+ * nn.Linear forwards with at most linear_cpu.MAX_ROWS (16) rows, and by the native decode step
+ * (decoder_decode.c) for every matmul of up to decoder_cpu.MAX_ROWS (64) sequences. Why not the BLAS: a general sgemm
  * packs panels of W into a scratch buffer before it multiplies, which at a handful of rows
  * doubles the memory traffic that bounds the call (measured with MKL on one core: 2 rows cost
  * 1.6x one row; `quire-engine bench linear`). Here every element of W is read
@@ -22,6 +23,10 @@
  * accumulators and two W streams in flight there. Best of 14 alternating passes over the 32.5M
  * Llama's 64 weights, cold, one thread, the 2-row tiles -> these: 0.85-0.92x the time at one
  * row, 0.91 at two, 0.91-0.94 at three, 0.94-0.98 at four (a C harness linking both versions).
+ * From 5 rows on, x is held in a register for each of its multiply-adds (GCC otherwise reloads
+ * it per W row), the lane sums of a tile run four at a time in vector form, and every row group
+ * prefetches its share of the next tiles: 0.74-0.92x the time at 8-64 rows (same harness, best
+ * of 9 alternating passes; ~0.99x at 1-6, where nothing changed but the lane sums).
  * Order of summation: y[m, n] is
  * lane l summing k = l, l + LANES, ... below K - K % LANES, then the lanes added pairwise, then
  * the scalar tail, then the bias: the same order whatever M, the tile a row lands in, and the
@@ -70,22 +75,55 @@ static inline float lanes_sum(vec a)
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* The lane sums of `count` accumulators into s[0 .. count), each in lanes_sum's order: with
+ * AVX four at a time, the same additions in vector form (the low and high halves lane by lane,
+ * then two horizontal adds of adjacent pairs), so the same bits as lanes_sum one by one. */
+static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, const int count,
+                                                             float *s)
+{
+    int c = 0;
+#if defined(__AVX__)
+    for (; c + 4 <= count; c += 4) {
+        __m128 h[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m256 a = (__m256)acc[c + i];
+            h[i] = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        }
+        _mm_storeu_ps(s + c, _mm_hadd_ps(_mm_hadd_ps(h[0], h[1]), _mm_hadd_ps(h[2], h[3])));
+    }
+#endif
+    for (; c < count; c++)
+        s[c] = lanes_sum(acc[c]);
+}
+
+/* Keeps v in a register. Without it GCC folds the load of an x vector into every multiply-add
+ * that uses it, loading it NW times: 14 loads for the 12 multiply-adds of a 6 x 2 tile, and the
+ * load ports, not the multiply-adds, bound the tile. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
+
 /* One tile: rows x[0 .. MX), W rows w[0 .. NW), both compile-time counts after inlining, so
  * the accumulators live in registers. `ahead` (or NULL) is W a few tiles on, prefetched one
  * 64-byte line per row every 16 floats: the rows of W are consecutive in memory, but each tile
- * streams ROWS_W of them at once and the hardware prefetcher alone lags behind. */
+ * streams several of them at once and the hardware prefetcher alone lags behind. When x has
+ * `groups` row groups, each group's pass over the tile prefetches its share (the lines whose
+ * 16-float chunk index is `group` modulo `groups`), so the next tiles' weights arrive while
+ * every group computes, not only the first. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride,
                                                        const int MX, const float *w, const int NW,
                                                        int64_t K, const float *bias, float *y,
-                                                       int64_t y_stride, const float *ahead)
+                                                       int64_t y_stride, const float *ahead,
+                                                       int64_t group, int64_t groups)
 {
-    vec acc[ROWS_X][MAX_W];
+    vec acc[ROWS_X * MAX_W]; /* acc[i * NW + j]: x row i, W row j */
     const int64_t k_vec = K - K % LANES;
-#pragma GCC unroll 8
-    for (int i = 0; i < MX; i++)
-#pragma GCC unroll 8
-        for (int j = 0; j < NW; j++)
-            acc[i][j] = (vec){0};
+#pragma GCC unroll 16
+    for (int c = 0; c < MX * NW; c++)
+        acc[c] = (vec){0};
     for (int64_t k = 0; k < k_vec; k += LANES) {
         if (MX == 1) {
             /* One row of x: each W vector is used once, straight from memory (an operand of the
@@ -93,7 +131,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
             const vec xv = load(x + k);
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
-                acc[0][j] = madd(acc[0][j], xv, load(w + j * K + k));
+                acc[j] = madd(acc[j], xv, load(w + j * K + k));
             continue;
         }
         vec wv[MAX_W];
@@ -101,34 +139,38 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         for (int j = 0; j < NW; j++)
             wv[j] = load(w + j * K + k);
 #if defined(__GNUC__)
-        if (ahead != NULL && k % 16 == 0)
+        if (ahead != NULL && k % 16 == 0 && (k / 16) % groups == group)
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
                 __builtin_prefetch(ahead + j * K + k, 0, 0);
 #endif
 #pragma GCC unroll 8
         for (int i = 0; i < MX; i++) {
-            const vec xv = load(x + i * x_stride + k);
+            vec xv = load(x + i * x_stride + k);
+            IN_REGISTER(xv);
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
-                acc[i][j] = madd(acc[i][j], xv, wv[j]);
+                acc[i * NW + j] = madd(acc[i * NW + j], xv, wv[j]);
         }
     }
+    float s[ROWS_X * MAX_W];
+    lanes_sums(acc, MX * NW, s);
     for (int i = 0; i < MX; i++)
         for (int j = 0; j < NW; j++) {
-            float s = lanes_sum(acc[i][j]);
+            float t = s[i * NW + j];
             for (int64_t k = k_vec; k < K; k++)
-                s += x[i * x_stride + k] * w[j * K + k];
-            y[i * y_stride + j] = bias != NULL ? s + bias[j] : s;
+                t += x[i * x_stride + k] * w[j * K + k];
+            y[i * y_stride + j] = bias != NULL ? t + bias[j] : t;
         }
 }
 
 /* The tile functions, one per (rows of x, rows of W): constant trip counts for the compiler. */
 #define TILE_FN(MX, NW)                                                                            \
     static void tile_##MX##_##NW(const float *x, int64_t xs, const float *w, int64_t K,           \
-                                 const float *b, float *y, int64_t ys, const float *ahead)         \
+                                 const float *b, float *y, int64_t ys, const float *ahead,         \
+                                 int64_t g, int64_t G)                                             \
     {                                                                                              \
-        tile(x, xs, MX, w, NW, K, b, y, ys, ahead);                                                \
+        tile(x, xs, MX, w, NW, K, b, y, ys, ahead, g, G);                                          \
     }
 TILE_FN(1, 1)
 TILE_FN(2, 1)
@@ -148,7 +190,7 @@ TILE_FN(3, 4)
 TILE_FN(4, 3)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
-                        int64_t, const float *);
+                        int64_t, const float *, int64_t, int64_t);
 static const tile_fn TILES[ROWS_W][ROWS_X] = {
     {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2},
@@ -169,6 +211,7 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
     const int64_t wide = wide_fn != NULL ? WIDE[M].rows : ROWS_W;
     const int64_t num_wide = N / wide, rest = N - num_wide * wide;
     const int64_t num_tiles = num_wide + (rest + ROWS_W - 1) / ROWS_W;
+    const int64_t groups = (M + ROWS_X - 1) / ROWS_X;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 1 ? (int)num_threads : 1) \
     if (num_threads > 1 && num_tiles > 1)
     for (int64_t t = 0; t < num_tiles; t++) {
@@ -180,14 +223,13 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
         const float *ahead = M > 1 && ahead_n + width <= N ? w + ahead_n * K : NULL;
         const float *b = bias != NULL ? bias + n : NULL;
         if (nw == wide && wide_fn != NULL) {
-            wide_fn(x, x_stride, w + n * K, K, b, y + n, y_stride, ahead);
+            wide_fn(x, x_stride, w + n * K, K, b, y + n, y_stride, ahead, 0, 1);
             continue;
         }
         for (int64_t m = 0; m < M; m += ROWS_X) {
             const int64_t mx = M - m < ROWS_X ? M - m : ROWS_X;
-            /* W is prefetched by the first row group only: later ones find it in cache. */
             TILES[nw - 1][mx - 1](x + m * x_stride, x_stride, w + n * K, K, b, y + m * y_stride + n,
-                                  y_stride, m == 0 ? ahead : NULL);
+                                  y_stride, ahead, m / ROWS_X, groups);
         }
     }
 }
