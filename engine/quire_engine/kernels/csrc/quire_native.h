@@ -8,6 +8,10 @@
 #define QUIRE_NATIVE_H
 
 #include <stdint.h>
+#include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 /* csrc/paged_decode.c */
 int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const float *k,
@@ -55,5 +59,66 @@ static inline float exp_nonpositive(float x)
     const float value = p * bits.f;
     return x != x ? x : (x < -87.3f ? 0.0f : value);
 }
+
+/* Vectors of LANES floats for the kernels' inner loops (GCC/clang vector extensions: one AVX
+ * register on x86, two NEON registers on Arm). */
+#define LANES 8
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec vec_load(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* acc + a * b, one rounding per lane where the CPU has fused multiply-add: written out rather
+ * than left to the compiler's contraction (-ffp-contract), which may fuse in one loop and not in
+ * another (in skinny_linear.c, that would break the batch invariance). Elsewhere two roundings, in every tile. */
+static inline vec vec_madd(vec acc, vec a, vec b)
+{
+#if defined(__AVX__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline float lanes_sum(vec a)
+{
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* The lane sums of `count` accumulators into s[0 .. count), each in lanes_sum's order: with
+ * AVX four at a time, the same additions in vector form (the low and high halves lane by lane,
+ * then two horizontal adds of adjacent pairs), so the same bits as lanes_sum one by one. */
+static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, const int count,
+                                                             float *s)
+{
+    int c = 0;
+#if defined(__AVX__)
+    for (; c + 4 <= count; c += 4) {
+        __m128 h[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m256 a = (__m256)acc[c + i];
+            h[i] = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        }
+        _mm_storeu_ps(s + c, _mm_hadd_ps(_mm_hadd_ps(h[0], h[1]), _mm_hadd_ps(h[2], h[3])));
+    }
+#endif
+    for (; c < count; c++)
+        s[c] = lanes_sum(acc[c]);
+}
+
+/* Keeps v in a register. Without it GCC folds the load of an x vector into every multiply-add
+ * that uses it, loading it NW times: 14 loads for the 12 multiply-adds of a 6 x 2 tile, and the
+ * load ports, not the multiply-adds, bound the tile. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
 
 #endif

@@ -40,71 +40,10 @@
 #include <string.h>
 
 #include "quire_native.h"
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
-#define LANES 8
 #define ROWS_W 2
 #define ROWS_X 6
 #define MAX_W 8 /* the widest tile in W (one row of x) */
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline vec load(const float *p)
-{
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-/* acc + a * b, one rounding per lane where the CPU has fused multiply-add: written out rather
- * than left to the compiler's contraction (-ffp-contract), which may fuse in one tile and not in
- * another and so break the batch invariance above. Elsewhere two roundings, in every tile. */
-static inline vec madd(vec acc, vec a, vec b)
-{
-#if defined(__AVX__) && defined(__FMA__)
-    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-    return acc + a * b;
-#endif
-}
-
-static inline float lanes_sum(vec a)
-{
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
-
-/* The lane sums of `count` accumulators into s[0 .. count), each in lanes_sum's order: with
- * AVX four at a time, the same additions in vector form (the low and high halves lane by lane,
- * then two horizontal adds of adjacent pairs), so the same bits as lanes_sum one by one. */
-static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, const int count,
-                                                             float *s)
-{
-    int c = 0;
-#if defined(__AVX__)
-    for (; c + 4 <= count; c += 4) {
-        __m128 h[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            const __m256 a = (__m256)acc[c + i];
-            h[i] = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        }
-        _mm_storeu_ps(s + c, _mm_hadd_ps(_mm_hadd_ps(h[0], h[1]), _mm_hadd_ps(h[2], h[3])));
-    }
-#endif
-    for (; c < count; c++)
-        s[c] = lanes_sum(acc[c]);
-}
-
-/* Keeps v in a register. Without it GCC folds the load of an x vector into every multiply-add
- * that uses it, loading it NW times: 14 loads for the 12 multiply-adds of a 6 x 2 tile, and the
- * load ports, not the multiply-adds, bound the tile. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define IN_REGISTER(v) __asm__("" : "+x"(v))
-#else
-#define IN_REGISTER(v) ((void)0)
-#endif
 
 /* One tile: rows x[0 .. MX), W rows w[0 .. NW), both compile-time counts after inlining, so
  * the accumulators live in registers. `ahead` (or NULL) is W a few tiles on, prefetched one
@@ -128,16 +67,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         if (MX == 1) {
             /* One row of x: each W vector is used once, straight from memory (an operand of the
              * multiply-add), so NW accumulators and x fit the 16 registers with none spilled. */
-            const vec xv = load(x + k);
+            const vec xv = vec_load(x + k);
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
-                acc[j] = madd(acc[j], xv, load(w + j * K + k));
+                acc[j] = vec_madd(acc[j], xv, vec_load(w + j * K + k));
             continue;
         }
         vec wv[MAX_W];
 #pragma GCC unroll 8
         for (int j = 0; j < NW; j++)
-            wv[j] = load(w + j * K + k);
+            wv[j] = vec_load(w + j * K + k);
 #if defined(__GNUC__)
         if (ahead != NULL && k % 16 == 0 && (k / 16) % groups == group)
 #pragma GCC unroll 8
@@ -146,11 +85,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
 #endif
 #pragma GCC unroll 8
         for (int i = 0; i < MX; i++) {
-            vec xv = load(x + i * x_stride + k);
+            vec xv = vec_load(x + i * x_stride + k);
             IN_REGISTER(xv);
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
-                acc[i * NW + j] = madd(acc[i * NW + j], xv, wv[j]);
+                acc[i * NW + j] = vec_madd(acc[i * NW + j], xv, wv[j]);
         }
     }
     float s[ROWS_X * MAX_W];
