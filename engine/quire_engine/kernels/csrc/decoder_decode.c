@@ -14,10 +14,11 @@
  *   cache[slot] = k, v ; a = paged_attention(q) ; h = h + (a Wo^T + bo)
  *   x = rmsnorm(h) ; h = h + (silu(x Wg^T) * (x Wu^T)) Wd^T
  * then logits = rmsnorm(h) Wlm^T. Every matmul is quire_skinny_linear and the attention is
- * quire_paged_decode, the kernels the module path calls for the same rows (its matmuls up to 16
- * rows; above, the BLAS), so those parts give the same bits as there; RoPE and the residual adds are the same float operations in the same
- * order (no contraction into fused multiply-adds there); RMSNorm's sum of squares and
- * SiLU's exp differ from torch's by rounding (another summation order, another exp).
+ * quire_paged_decode, the kernels the module path calls for the same rows (its matmuls up to
+ * 16 rows; above, the BLAS), so those parts give the same bits as there; RoPE and the residual
+ * adds are the same float operations in the same order (no contraction into fused multiply-adds
+ * there); RMSNorm's sum of squares and SiLU's exp differ from torch's by rounding (another
+ * summation order, another exp).
  *
  * Layouts (fp32 unless stated):
  *   layers   int64 [num_layers, NUM_FIELDS]: addresses, in the enum's order below (0: no bias)

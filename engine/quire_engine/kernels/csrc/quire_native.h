@@ -73,9 +73,9 @@ static inline vec vec_load(const float *p)
     return v;
 }
 
-/* acc + a * b, one rounding per lane where the CPU has fused multiply-add: written out rather
- * than left to the compiler's contraction (-ffp-contract), which may fuse in one loop and not in
- * another (in skinny_linear.c, that would break the batch invariance). Elsewhere two roundings, in every tile. */
+/* acc + a * b, one rounding per lane where the CPU has fused multiply-add, two elsewhere:
+ * written out rather than left to the compiler's contraction (-ffp-contract), which may fuse in
+ * one loop and not in another (in skinny_linear.c, that would break the batch invariance). */
 static inline vec vec_madd(vec acc, vec a, vec b)
 {
 #if defined(__AVX__) && defined(__FMA__)

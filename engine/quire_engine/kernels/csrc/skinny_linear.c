@@ -4,10 +4,10 @@
  *
  * Loaded by quire_engine/kernels/native.py and called through kernels/linear_cpu.py for
  * nn.Linear forwards with at most linear_cpu.MAX_ROWS (16) rows, and by the native decode step
- * (decoder_decode.c) for every matmul of up to decoder_cpu.MAX_ROWS (64) sequences. Why not the BLAS: a general sgemm
- * packs panels of W into a scratch buffer before it multiplies, which at a handful of rows
- * doubles the memory traffic that bounds the call (measured with MKL on one core: 2 rows cost
- * 1.6x one row; `quire-engine bench linear`). Here every element of W is read
+ * (decoder_decode.c) for every matmul of up to decoder_cpu.MAX_ROWS (64) sequences. Why not the
+ * BLAS: a general sgemm packs panels of W into a scratch buffer before it multiplies, which at
+ * a handful of rows doubles the memory traffic that bounds the call (measured with MKL on one
+ * core: 2 rows cost 1.6x one row; `quire-engine bench linear`). Here every element of W is read
  * once, straight from the weight, and used for every row of x while it is in registers.
  *
  * Layouts (fp32):
@@ -19,19 +19,19 @@
  * Tiling: a tile is ROWS_W rows of W against up to ROWS_X rows of x, ROWS_W * ROWS_X vector
  * accumulators of LANES floats (12 of AVX2's 16 registers, with two for W and one for x), so
  * each W vector is loaded once per tile and x stays in L1. With 1-4 rows of x (one group) the
- * tiles are wider in W (wide_rows: 8, 4, 4, 3 rows of W): a 2-row tile keeps only 2-8
+ * tiles are wider in W (WIDE: 8, 4, 4, 3 rows of W): a 2-row tile keeps only 2-8
  * accumulators and two W streams in flight there. Best of 14 alternating passes over the 32.5M
  * Llama's 64 weights, cold, one thread, the 2-row tiles -> these: 0.85-0.92x the time at one
  * row, 0.91 at two, 0.91-0.94 at three, 0.94-0.98 at four (a C harness linking both versions).
  * From 5 rows on, x is held in a register for each of its multiply-adds (GCC otherwise reloads
  * it per W row), the lane sums of a tile run four at a time in vector form, and every row group
  * prefetches its share of the next tiles: 0.74-0.92x the time at 8-64 rows (same harness, best
- * of 9 alternating passes; ~0.99x at 1-6, where nothing changed but the lane sums).
- * Order of summation: y[m, n] is
- * lane l summing k = l, l + LANES, ... below K - K % LANES, then the lanes added pairwise, then
- * the scalar tail, then the bias: the same order whatever M, the tile a row lands in, and the
- * thread count. So a row's result is the same bits whatever the batch around it (batch
- * invariance), which the BLAS does not promise; it differs from the BLAS's by rounding.
+ * of 9 alternating passes; 0.95-1.04x at 1-6 rows, within the harness's noise).
+ * Order of summation: y[m, n] is lane l summing k = l, l + LANES, ... below K - K % LANES,
+ * then the lanes added pairwise, then the scalar tail, then the bias: the same order whatever
+ * M, the tile a row lands in, and the thread count. So a row's result is the same bits whatever
+ * the batch around it (batch invariance), which the BLAS does not promise; it differs from the
+ * BLAS's by rounding.
  *
  * Threads (OpenMP, torch's thread count) split the columns n in whole tiles; never one dot.
  * The caller (native.py) checks dtypes, shapes, strides and devices.
