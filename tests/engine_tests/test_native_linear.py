@@ -4,8 +4,9 @@
 The kernel must compute ``x @ W.T + b`` to rounding (another summation order than the BLAS:
 compared with a float64 product at 1e-5 relative to the size of the terms, where fp32 rounding
 is ~1e-7) for every tile shape and tail (rows 1-16 across the 6-row tiles, odd N across the
-2-row tiles, K not a multiple of the 8 lanes), give a row the same bits whatever rows and thread
-count surround it, and refuse tensors it cannot read with ``ValueError``. The router must send
+2-row tiles, K not a multiple of the 8 lanes) and in the blocked order above 16 rows (blocks of
+W, K in chunks of 512), give a row the same bits whatever rows, loop order and thread count
+surround it, and refuse tensors it cannot read with ``ValueError``. The router must send
 only fp32 inference calls of at most ``MAX_ROWS`` rows to it and everything else to torch
 unchanged. The HF equivalence suite (``test_llm_equivalence.py``) runs through it: on CPU every
 engine routes its fp32 linears (checked below).
@@ -38,7 +39,7 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     assert err < TOL, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 23, 40])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (2, 8), (3, 7), (37, 100), (64, 512), (5, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_a_float64_product(
@@ -79,6 +80,33 @@ def test_each_row_is_independent_of_batch_and_threads(kernel: native.SkinnyLinea
         part = torch.empty(len(rows), 45)
         kernel(x[rows.start : rows.stop], w, b, part, num_threads=2)
         assert torch.equal(part, full[rows.start : rows.stop]), f"rows {rows} changed bits"
+
+
+@pytest.mark.parametrize(("n", "k"), [(150, 1541), (131, 300), (9, 5)])
+def test_the_blocked_order_gives_each_row_the_same_bits(
+    kernel: native.SkinnyLinear, n: int, k: int
+) -> None:
+    """40 rows run blocked: W in blocks (150 x 1541: 20-row blocks, K in three 512-float chunks
+    and a 5-float tail; 131 x 300: two 64-row blocks and a 3-row one, its last tile one row;
+    9 x 5: no vector part at all). Each row must be the bits it gets alone (one row: the
+    unblocked order) and in a 16-row call (6-row groups, unblocked), on one thread or two."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(40, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    full = torch.empty(40, n)
+    kernel(x, w, b, full)
+    _close(full, x, w, b)
+    two = torch.empty(40, n)
+    kernel(x, w, b, two, num_threads=2)
+    assert torch.equal(two, full), "two threads changed bits"
+    first = torch.empty(16, n)
+    kernel(x[:16], w, b, first)
+    assert torch.equal(first, full[:16]), "the unblocked 16-row call differs"
+    for row in range(40):
+        alone = torch.empty(1, n)
+        kernel(x[row : row + 1], w, b, alone)
+        assert torch.equal(alone, full[row : row + 1]), f"row {row} changed bits"
 
 
 def test_refuses_tensors_it_cannot_read(kernel: native.SkinnyLinear) -> None:

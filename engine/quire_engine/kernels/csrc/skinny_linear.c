@@ -27,13 +27,23 @@
  * it per W row), the lane sums of a tile run four at a time in vector form, and every row group
  * prefetches its share of the next tiles: 0.74-0.92x the time at 8-64 rows (same harness, best
  * of 9 alternating passes; 0.95-1.04x at 1-6 rows, within the harness's noise).
+ * Above 16 rows (the native decode step's 17-64 sequences) the arithmetic, not the weight
+ * stream, bounds the call, and in the order above every W tile met all the row groups of x in
+ * turn: 6 x vectors per 12 multiply-adds came from L2 (x outgrows L1 past a few rows), which
+ * bound the tile at about half the multiply-add rate. There W is taken in blocks that fit L2
+ * (`blocked`): each row group of x runs over the whole block, one chunk of K at a time, so its
+ * chunk of x stays in L1 and only W comes from L2; the first group's pass reads the block from
+ * memory, and every group prefetches its share of the next block. Same harness, best of 15:
+ * 0.84-0.94x the time at 24-64 rows (1.0-1.3x at 8-16 rows, hence only above 16).
  * Order of summation: y[m, n] is lane l summing k = l, l + LANES, ... below K - K % LANES,
  * then the lanes added pairwise, then the scalar tail, then the bias: the same order whatever
- * M, the tile a row lands in, and the thread count. So a row's result is the same bits whatever
+ * M, the tile a row lands in, the order of the loops (blocked or not: a chunk's partial sums
+ * are stored and reloaded as they are) and the thread count. So a row's result is the same bits whatever
  * the batch around it (batch invariance), which the BLAS does not promise; it differs from the
  * BLAS's by rounding.
  *
- * Threads (OpenMP, torch's thread count) split the columns n in whole tiles; never one dot.
+ * Threads (OpenMP, torch's thread count) split the columns n in whole tiles (blocks, in the
+ * blocked order); never one dot.
  * The caller (native.py) checks dtypes, shapes, strides and devices.
  */
 #include <stdint.h>
@@ -44,26 +54,51 @@
 #define ROWS_W 2
 #define ROWS_X 6
 #define MAX_W 8 /* the widest tile in W (one row of x) */
+/* Above BLOCKED_FROM rows of x, the blocked order (see the header): W in blocks of about
+ * BLOCK_BYTES and at most BLOCK_MAX rows (one block sits in L2 while the next streams in), K in
+ * chunks of CHUNK floats (a 6-row group's chunk of x, 12 KB, stays in L1 across the block's
+ * tiles; a block's partial accumulators, at most 12 KB, live on the stack). */
+#define BLOCKED_FROM 16
+#define BLOCK_BYTES (128 * 1024)
+#define BLOCK_MAX 64
+#define CHUNK 512
 
 /* One tile: rows x[0 .. MX), W rows w[0 .. NW), both compile-time counts after inlining, so
- * the accumulators live in registers. `ahead` (or NULL) is W a few tiles on, prefetched one
- * 64-byte line per row every 16 floats: the rows of W are consecutive in memory, but each tile
- * streams several of them at once and the hardware prefetcher alone lags behind. When x has
- * `groups` row groups, each group's pass over the tile prefetches its share (the lines whose
- * 16-float chunk index is `group` modulo `groups`), so the next tiles' weights arrive while
- * every group computes, not only the first. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride,
-                                                       const int MX, const float *w, const int NW,
-                                                       int64_t K, const float *bias, float *y,
-                                                       int64_t y_stride, const float *ahead,
-                                                       int64_t group, int64_t groups)
+ * the accumulators live in registers, over the vector part [k0, k1) of K. With `partial` NULL
+ * the tile is the whole vector part (k0 = 0, k1 = K - K % LANES); otherwise it is one chunk of
+ * it, its accumulators taken from `partial` unless k0 = 0 and left there unless k1 ends the
+ * vector part (a float stored and loaded is the same float, so chunking changes no bits). The
+ * last chunk adds the lanes, the scalar tail and the bias, and writes y.
+ * `ahead` (or NULL) is W further on, prefetched one 64-byte line per row every 16 floats: the
+ * rows of W are consecutive in memory, but each tile streams several of them at once and the
+ * hardware prefetcher alone lags behind. When x has `groups` row groups, each group's pass over
+ * the tile prefetches its share (the lines whose 16-float chunk index is `group` modulo
+ * `groups`), so the weights ahead arrive while every group computes, not only the first. */
+static inline __attribute__((always_inline)) void
+tile(const float *x, int64_t x_stride, const int MX, const float *w, const int NW, int64_t K,
+     int64_t k0, int64_t k1, vec *partial, const float *bias, float *y, int64_t y_stride,
+     const float *ahead, int64_t group, int64_t groups)
 {
     vec acc[ROWS_X * MAX_W]; /* acc[i * NW + j]: x row i, W row j */
     const int64_t k_vec = K - K % LANES;
+    if (partial != NULL && k0 > 0) {
 #pragma GCC unroll 16
-    for (int c = 0; c < MX * NW; c++)
-        acc[c] = (vec){0};
-    for (int64_t k = 0; k < k_vec; k += LANES) {
+        for (int c = 0; c < MX * NW; c++)
+            acc[c] = partial[c];
+    } else {
+#pragma GCC unroll 16
+        for (int c = 0; c < MX * NW; c++)
+            acc[c] = (vec){0};
+    }
+    /* The next k whose line this group prefetches (none: -1), and the step between them: a
+     * compare per vector rather than a division (k0 is a multiple of 16). */
+    int64_t prefetch_at = -1;
+    if (ahead != NULL) {
+        const int64_t line = k0 / 16;
+        prefetch_at = (line + ((group - line % groups) + groups) % groups) * 16;
+    }
+    const int64_t prefetch_step = 16 * groups;
+    for (int64_t k = k0; k < k1; k += LANES) {
         if (MX == 1) {
             /* One row of x: each W vector is used once, straight from memory (an operand of the
              * multiply-add), so NW accumulators and x fit the 16 registers with none spilled. */
@@ -78,10 +113,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         for (int j = 0; j < NW; j++)
             wv[j] = vec_load(w + j * K + k);
 #if defined(__GNUC__)
-        if (ahead != NULL && k % 16 == 0 && (k / 16) % groups == group)
+        if (k == prefetch_at) {
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
                 __builtin_prefetch(ahead + j * K + k, 0, 0);
+            prefetch_at += prefetch_step;
+        }
 #endif
 #pragma GCC unroll 8
         for (int i = 0; i < MX; i++) {
@@ -91,6 +128,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
             for (int j = 0; j < NW; j++)
                 acc[i * NW + j] = vec_madd(acc[i * NW + j], xv, wv[j]);
         }
+    }
+    if (partial != NULL && k1 < k_vec) {
+#pragma GCC unroll 16
+        for (int c = 0; c < MX * NW; c++)
+            partial[c] = acc[c];
+        return;
     }
     float s[ROWS_X * MAX_W];
     lanes_sums(acc, MX * NW, s);
@@ -106,10 +149,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
 /* The tile functions, one per (rows of x, rows of W): constant trip counts for the compiler. */
 #define TILE_FN(MX, NW)                                                                            \
     static void tile_##MX##_##NW(const float *x, int64_t xs, const float *w, int64_t K,           \
-                                 const float *b, float *y, int64_t ys, const float *ahead,         \
-                                 int64_t g, int64_t G)                                             \
+                                 int64_t k0, int64_t k1, vec *p, const float *b, float *y,         \
+                                 int64_t ys, const float *ahead, int64_t g, int64_t G)             \
     {                                                                                              \
-        tile(x, xs, MX, w, NW, K, b, y, ys, ahead, g, G);                                          \
+        tile(x, xs, MX, w, NW, K, k0, k1, p, b, y, ys, ahead, g, G);                               \
     }
 TILE_FN(1, 1)
 TILE_FN(2, 1)
@@ -128,8 +171,8 @@ TILE_FN(2, 4)
 TILE_FN(3, 4)
 TILE_FN(4, 3)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
-                        int64_t, const float *, int64_t, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, int64_t, vec *,
+                        const float *, float *, int64_t, const float *, int64_t, int64_t);
 static const tile_fn TILES[ROWS_W][ROWS_X] = {
     {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2},
@@ -141,10 +184,57 @@ static const struct {
     tile_fn fn;
 } WIDE[5] = {{0, NULL}, {8, tile_1_8}, {4, tile_2_4}, {4, tile_3_4}, {3, tile_4_3}};
 
+/* The blocked order for one block of W, rows n0 .. n0 + nb: each group of ROWS_X rows of x runs
+ * over every tile of the block, one chunk of K at a time (the chunk of x stays in L1, the block
+ * in L2; the first group reads it from memory). Every group prefetches its share of the same
+ * tiles of the next block, `next_nb` rows (0: none), while it computes. */
+static void blocked(const float *x, int64_t x_stride, int64_t M, const float *w, const float *bias,
+                    int64_t K, float *y, int64_t y_stride, int64_t n0, int64_t nb, int64_t next_nb)
+{
+    vec partial[BLOCK_MAX / ROWS_W][ROWS_X * ROWS_W]; /* per tile, between chunks */
+    const int64_t k_vec = K - K % LANES, groups = (M + ROWS_X - 1) / ROWS_X;
+    const int64_t chunk = k_vec > CHUNK ? CHUNK : k_vec;
+    for (int64_t m = 0; m < M; m += ROWS_X) {
+        const int64_t mx = M - m < ROWS_X ? M - m : ROWS_X;
+        /* At least one pass, so that a K below LANES still runs each tile (for its tail). */
+        int64_t k0 = 0;
+        do {
+            const int64_t k1 = k0 + chunk < k_vec ? k0 + chunk : k_vec;
+            for (int64_t t = 0; t * ROWS_W < nb; t++) {
+                const int64_t n = n0 + t * ROWS_W;
+                const int64_t nw = n0 + nb - n < ROWS_W ? n0 + nb - n : ROWS_W;
+                const float *ahead = t * ROWS_W + ROWS_W <= next_nb ? w + (n + nb) * K : NULL;
+                TILES[nw - 1][mx - 1](x + m * x_stride, x_stride, w + n * K, K, k0, k1,
+                                      chunk < k_vec ? partial[t] : NULL,
+                                      bias != NULL ? bias + n : NULL, y + m * y_stride + n,
+                                      y_stride, ahead, m / ROWS_X, groups);
+            }
+            k0 = k1;
+        } while (k0 < k_vec);
+    }
+}
+
 void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
                          const float *bias, int64_t N, int64_t K, float *y, int64_t y_stride,
                          int64_t num_threads)
 {
+    if (M > BLOCKED_FROM) {
+        /* Blocks of about BLOCK_BYTES of W, a whole number of tiles, at most BLOCK_MAX rows. */
+        int64_t nb = BLOCK_BYTES / ((int64_t)sizeof(float) * (K > 0 ? K : 1));
+        nb = nb < ROWS_W ? ROWS_W : nb - nb % ROWS_W;
+        if (nb > BLOCK_MAX)
+            nb = BLOCK_MAX;
+        const int64_t num_blocks = (N + nb - 1) / nb;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 1 ? (int)num_threads : 1) \
+    if (num_threads > 1 && num_blocks > 1)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t n0 = b * nb, this_nb = N - n0 < nb ? N - n0 : nb;
+            const int64_t rest = N - n0 - this_nb, next_nb = rest < nb ? rest : nb;
+            blocked(x, x_stride, M, w, bias, K, y, y_stride, n0, this_nb, next_nb);
+        }
+        return;
+    }
+
     /* Tiles of `wide` rows of W, then the N % wide rows left in tiles of ROWS_W (or one). */
     const tile_fn wide_fn = M <= 4 ? WIDE[M].fn : NULL;
     const int64_t wide = wide_fn != NULL ? WIDE[M].rows : ROWS_W;
@@ -162,13 +252,15 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
         const float *ahead = M > 1 && ahead_n + width <= N ? w + ahead_n * K : NULL;
         const float *b = bias != NULL ? bias + n : NULL;
         if (nw == wide && wide_fn != NULL) {
-            wide_fn(x, x_stride, w + n * K, K, b, y + n, y_stride, ahead, 0, 1);
+            wide_fn(x, x_stride, w + n * K, K, 0, K - K % LANES, NULL, b, y + n, y_stride, ahead,
+                    0, 1);
             continue;
         }
         for (int64_t m = 0; m < M; m += ROWS_X) {
             const int64_t mx = M - m < ROWS_X ? M - m : ROWS_X;
-            TILES[nw - 1][mx - 1](x + m * x_stride, x_stride, w + n * K, K, b, y + m * y_stride + n,
-                                  y_stride, ahead, m / ROWS_X, groups);
+            TILES[nw - 1][mx - 1](x + m * x_stride, x_stride, w + n * K, K, 0, K - K % LANES,
+                                  NULL, b, y + m * y_stride + n, y_stride, ahead, m / ROWS_X,
+                                  groups);
         }
     }
 }
