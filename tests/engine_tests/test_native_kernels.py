@@ -84,8 +84,9 @@ def _reference(
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)])
-# 20: a tail below the vector width; 80 and 136: 64-float register chunks plus single vectors.
+# (12, 4): eight query heads at once, then four one by one past them.
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1), (12, 4)])
+# 20: two vectors and a tail below the vector width; the others whole vectors (2 to 17).
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 80, 136])
 def test_kernel_equals_reference(
     kernel: native.PagedDecode, block_size: int, heads: int, kv_heads: int, head_dim: int

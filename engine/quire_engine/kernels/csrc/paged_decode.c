@@ -10,11 +10,14 @@
  * summation order).
  *
  * Speed: at the 32.5M Llama's shapes (8 query heads, 4 KV heads, D 64, blocks of 16) a step's
- * K/V is far larger than the caches, and randomly placed 16 KB blocks read at 6-7 GB/s here with
- * no arithmetic at all (9-10 contiguous). Fused multiply-adds, eight independent dot chains in
- * pass 1 and pass 2's sums held in registers over a whole block took the kernel from ~4 to ~5
- * GB/s: 0.80-0.92x the time at 16-48 sequences of 300-400 tokens, 0.73 at one of 800 (a C
- * harness over 9 layers' pools with shuffled tables, best of 15 alternating runs).
+ * K/V is far larger than the caches, and randomly placed 16 KB blocks read at 6-8 GB/s here with
+ * no arithmetic at all (9-10 contiguous). Fused multiply-adds and eight independent dot chains
+ * took the kernel from ~4 to ~5 GB/s; reading each block straight through, token by token (every
+ * query head against its KV head's part of the row) instead of KV head by KV head in strided
+ * pieces, to 6-7: 0.68-0.79x the time at 16-48 sequences of 250-400 tokens, 0.72-0.86x at one
+ * of 800, the same output bits (a C harness over 9 layers' pools with shuffled tables, best of
+ * 15 alternating runs). With the K/V in cache it is slower (1.3x: pass 2's output rows go
+ * through L1 per token), which a decode step's K/V never is.
  *
  * Layouts (all fp32 except the index arrays):
  *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
@@ -42,9 +45,9 @@
 #include "quire_native.h"
 
 /* Hardware prefetchers stop at page boundaries, and the next block of a sequence is anywhere in
- * the pool: without help every block starts with cache misses. While the kernel works on a
- * group of tokens of one block, it prefetches the same tokens of the sequence's next block
- * (`count` floats from `p`, one request per 64-byte line). */
+ * the pool: without help every block starts with cache misses. While the kernel reads a token's
+ * row of one block, it prefetches the same row of the sequence's next block (`count` floats from
+ * `p`, one request per 64-byte line). */
 static inline void prefetch_floats(const float *p, int64_t count)
 {
 #if defined(__GNUC__)
@@ -79,57 +82,35 @@ static inline struct span block_span(const float *pool, const int32_t *table, in
     return sp;
 }
 
-/* q . k_t for up to DOTS tokens t of one KV head (count: 1-DOTS; k_t at k + t * token_stride),
- * each the same operations whatever the count: lane l sums d = l, l + LANES, ... with fused
- * multiply-adds, the lanes are added in lanes_sum's order, then the tail d >= D - D % LANES.
- * DOTS independent chains, because one dot's multiply-adds are a dependency chain: with four,
- * the latency of the multiply-add, not its throughput, bound the pass. */
+/* q_h . k for up to DOTS query heads h = h0 .. h0 + count - 1 of one token (q_h at q + (h - h0) *
+ * q_head), head h against its KV head's part of the token's K row k, (h / group) * head_dim on:
+ * lane l sums d = l, l + LANES, ... with fused multiply-adds, the lanes are added in lanes_sum's
+ * order, then the tail d >= D - D % LANES, whatever the count. DOTS independent chains, because
+ * one dot's multiply-adds are a dependency chain: with four, the latency of the multiply-add,
+ * not its throughput, bound the pass. */
 #define DOTS 8
-static inline __attribute__((always_inline)) void dots(const float *q, const float *k,
-                                                       int64_t token_stride, int64_t head_dim,
-                                                       const int count, float *dot)
+static inline __attribute__((always_inline)) void head_dots(const float *q, int64_t q_head,
+                                                            const float *k, int64_t head_dim,
+                                                            int64_t h0, int64_t group,
+                                                            const int count, float *dot)
 {
     const int64_t d_vec = head_dim - head_dim % LANES;
+    const float *kh[DOTS];
     vec acc[DOTS];
 #pragma GCC unroll 8
-    for (int t = 0; t < count; t++)
+    for (int t = 0; t < count; t++) {
         acc[t] = (vec){0};
+        kh[t] = k + ((h0 + t) / group) * head_dim;
+    }
     for (int64_t d = 0; d < d_vec; d += LANES) {
-        vec qv = vec_load(q + d);
-        IN_REGISTER(qv);
 #pragma GCC unroll 8
         for (int t = 0; t < count; t++)
-            acc[t] = vec_madd(acc[t], qv, vec_load(k + t * token_stride + d));
+            acc[t] = vec_madd(acc[t], vec_load(q + t * q_head + d), vec_load(kh[t] + d));
     }
     lanes_sums(acc, count, dot);
     for (int t = 0; t < count; t++)
         for (int64_t d = d_vec; d < head_dim; d++)
-            dot[t] += q[d] * k[t * token_stride + d];
-}
-
-/* o[0 .. CHUNK * LANES) += sum over tokens j in lo .. hi - 1 of p[j] * v_j (v_j at
- * v + j * token_stride), the partial sums in registers for the whole block: a chain per output
- * vector, one fused multiply-add per token, in token order. */
-static inline __attribute__((always_inline)) void weigh_chunk(const float *p, const float *v,
-                                                              int64_t token_stride, int64_t lo,
-                                                              int64_t hi, const int CHUNK,
-                                                              float *o)
-{
-    vec acc[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < CHUNK; c++)
-        acc[c] = vec_load(o + c * LANES);
-    for (int64_t j = lo; j < hi; j++) {
-        const float pj = p[j];
-        const vec pv = {pj, pj, pj, pj, pj, pj, pj, pj};
-        const float *vj = v + j * token_stride;
-#pragma GCC unroll 8
-        for (int c = 0; c < CHUNK; c++)
-            acc[c] = vec_madd(acc[c], pv, vec_load(vj + c * LANES));
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < CHUNK; c++)
-        memcpy(o + c * LANES, &acc[c], sizeof acc[c]);
+            dot[t] += q[t * q_head + d] * kh[t][d];
 }
 
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
@@ -144,35 +125,33 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
     const float pre = softcap > 0.0f ? scale / softcap : scale;
 
     /* Pass 1: scores[hq][t - first] = pre * q_hq . k_t, block by block. A block holds every KV
-     * head of its tokens contiguously ([block_size, kv_heads, D]), so it is read front to back.
-     * Blocks wholly before `first` are never touched (a windowed model may have released them).
-     * DOTS tokens at a time, KV head by KV head: the group's query heads read the same K rows
-     * while they are in L1. */
+     * head of its tokens contiguously ([block_size, kv_heads, D]), and it is read in that order,
+     * token by token, every query head against its KV head's part of the token's row: the reads
+     * run straight through the block, as the hardware prefetcher follows them. (KV head by KV
+     * head over groups of tokens, as before, read each row in four strided pieces: 1.2-1.5x
+     * this pass's time out of cache, where decode attention always runs.) Blocks wholly before
+     * `first` are never touched (a windowed model may have released them). While a token's row
+     * is read, the same row of the sequence's next block is prefetched (hardware prefetchers
+     * stop at page boundaries; the next block is anywhere in the pool). */
     for (int64_t b = first / block_size; b * block_size < len; b++) {
         const struct span sp = block_span(k, table, b, first, len, block_size, token_stride);
         const int64_t hi = sp.hi, off = sp.off;
-        const float *kb = sp.block, *kn = sp.next;
-        for (int64_t j = sp.lo; j < hi; j += DOTS) {
-            const int64_t count = hi - j < DOTS ? hi - j : DOTS;
-            const float *kt = kb + j * token_stride;
-            for (int64_t g = 0; g < kv_heads; g++) {
-                /* This KV head's part of the same tokens of the next block, spread over the
-                 * pass (hardware prefetchers stop at page boundaries; a block spans four). */
-                if (kn != NULL)
+        for (int64_t j = sp.lo; j < hi; j++) {
+            const float *kt = sp.block + j * token_stride;
+            if (sp.next != NULL)
+                prefetch_floats(sp.next + j * token_stride, token_stride);
+            for (int64_t h0 = 0; h0 < heads; h0 += DOTS) {
+                float dot[DOTS];
+                const float *qh = q + h0 * q_head;
+                const int64_t count = heads - h0 < DOTS ? heads - h0 : DOTS;
+                if (count == DOTS)
+                    head_dots(qh, q_head, kt, head_dim, h0, group, DOTS, dot);
+                else
                     for (int64_t t = 0; t < count; t++)
-                        prefetch_floats(kn + (j + t) * token_stride + g * head_dim, head_dim);
-                for (int64_t hq = g * group; hq < (g + 1) * group; hq++) {
-                    float dot[DOTS];
-                    const float *qh = q + hq * q_head, *kg = kt + g * head_dim;
-                    if (count == DOTS)
-                        dots(qh, kg, token_stride, head_dim, DOTS, dot);
-                    else
-                        for (int64_t t = 0; t < count; t++)
-                            dots(qh, kg + t * token_stride, token_stride, head_dim, 1, dot + t);
-                    float *row = scores + hq * n + off + j;
-                    for (int64_t t = 0; t < count; t++)
-                        row[t] = dot[t] * pre;
-                }
+                        head_dots(qh + t * q_head, q_head, kt, head_dim, h0 + t, group, 1,
+                                  dot + t);
+                for (int64_t t = 0; t < count; t++)
+                    scores[(h0 + t) * n + off + j] = dot[t] * pre;
             }
         }
     }
@@ -198,32 +177,30 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
         }
         row_sum[hq] = sum;
     }
-    /* Pass 2: out_hq = sum_t p[hq][t] v_t / sum_t p[hq][t], the same block order, each output
-     * vector summed token by token in registers over a whole block (chunks of 8 vectors: 64
-     * floats, 8 of the 16 AVX registers), each query head of a group reading the block's V rows
-     * of its KV head while they are in L1. */
+    /* Pass 2: out_hq = sum_t p[hq][t] v_t / sum_t p[hq][t], the same block order and the same
+     * token-by-token order of the reads as pass 1: each output element is a chain of fused
+     * multiply-adds over the tokens in order (the output rows, heads x D floats, stay in L1),
+     * and the next block's row is prefetched the same way. */
     const int64_t d_vec = head_dim - head_dim % LANES;
     memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t b = first / block_size; b * block_size < len; b++) {
         const struct span sp = block_span(v, table, b, first, len, block_size, token_stride);
-        const int64_t lo = sp.lo, hi = sp.hi;
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const float *vg = sp.block + g * head_dim;
-            /* This KV head's part of the next block, ahead of its turn. */
+        for (int64_t j = sp.lo; j < sp.hi; j++) {
+            const float *vt = sp.block + j * token_stride;
             if (sp.next != NULL)
-                for (int64_t t = lo; t < hi; t++)
-                    prefetch_floats(sp.next + t * token_stride + g * head_dim, head_dim);
-            for (int64_t hq = g * group; hq < (g + 1) * group; hq++) {
-                const float *p = scores + hq * n + sp.off;
+                prefetch_floats(sp.next + j * token_stride, token_stride);
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const float pj = scores[hq * n + sp.off + j];
+                const vec pv = {pj, pj, pj, pj, pj, pj, pj, pj};
+                const float *vg = vt + (hq / group) * head_dim;
                 float *o = out + hq * head_dim;
                 int64_t d = 0;
-                for (; d + 8 * LANES <= d_vec; d += 8 * LANES)
-                    weigh_chunk(p, vg + d, token_stride, lo, hi, 8, o + d);
-                for (; d < d_vec; d += LANES)
-                    weigh_chunk(p, vg + d, token_stride, lo, hi, 1, o + d);
+                for (; d < d_vec; d += LANES) {
+                    const vec acc = vec_madd(vec_load(o + d), pv, vec_load(vg + d));
+                    memcpy(o + d, &acc, sizeof acc);
+                }
                 for (; d < head_dim; d++)
-                    for (int64_t j = lo; j < hi; j++)
-                        o[d] += p[j] * vg[j * token_stride + d];
+                    o[d] += pj * vg[d];
             }
         }
     }
