@@ -38,9 +38,9 @@
  * Order of summation: y[m, n] is lane l summing k = l, l + LANES, ... below K - K % LANES,
  * then the lanes added pairwise, then the scalar tail, then the bias: the same order whatever
  * M, the tile a row lands in, the order of the loops (blocked or not: a chunk's partial sums
- * are stored and reloaded as they are) and the thread count. So a row's result is the same bits whatever
- * the batch around it (batch invariance), which the BLAS does not promise; it differs from the
- * BLAS's by rounding.
+ * are stored and reloaded as they are) and the thread count. So a row's result is the same bits
+ * whatever the batch around it (batch invariance), which the BLAS does not promise; it differs
+ * from the BLAS's by rounding.
  *
  * Threads (OpenMP, torch's thread count) split the columns n in whole tiles (blocks, in the
  * blocked order); never one dot.
