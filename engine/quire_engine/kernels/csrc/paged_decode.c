@@ -14,10 +14,10 @@
  * no arithmetic at all (9-10 contiguous). Fused multiply-adds and eight independent dot chains
  * took the kernel from ~4 to ~5 GB/s; reading each block straight through, token by token (every
  * query head against its KV head's part of the row) instead of KV head by KV head in strided
- * pieces, to 6-7: 0.68-0.79x the time at 16-48 sequences of 250-400 tokens, 0.72-0.86x at one
- * of 800, the same output bits (a C harness over 9 layers' pools with shuffled tables, best of
- * 15 alternating runs). With the K/V in cache it is slower (1.3x: pass 2's output rows go
- * through L1 per token), which a decode step's K/V never is.
+ * pieces, to 6-7: 0.68-0.76x the time at 16-48 sequences of 250-400 tokens, 0.72-0.86x at one
+ * of 800, the same output values (a C harness over 9 layers' pools with shuffled tables, best
+ * of 15 alternating runs). With the K/V in cache it is slower (1.3-1.4x: pass 2's output rows
+ * go through L1 per token), which a decode step's K/V never is.
  *
  * Layouts (all fp32 except the index arrays):
  *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
@@ -128,7 +128,7 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
      * head of its tokens contiguously ([block_size, kv_heads, D]), and it is read in that order,
      * token by token, every query head against its KV head's part of the token's row: the reads
      * run straight through the block, as the hardware prefetcher follows them. (KV head by KV
-     * head over groups of tokens, as before, read each row in four strided pieces: 1.2-1.5x
+     * head over groups of tokens, as before, read each row in four strided pieces: 1.3-1.5x
      * this pass's time out of cache, where decode attention always runs.) Blocks wholly before
      * `first` are never touched (a windowed model may have released them). While a token's row
      * is read, the same row of the sequence's next block is prefetched (hardware prefetchers

@@ -33,8 +33,9 @@
  * bound the tile at about half the multiply-add rate. There W is taken in blocks that fit L2
  * (`blocked`): each row group of x runs over the whole block, one chunk of K at a time, so its
  * chunk of x stays in L1 and only W comes from L2; the first group's pass reads the block from
- * memory, and every group prefetches its share of the next block. Same harness, best of 15:
- * 0.84-0.94x the time at 24-64 rows (1.0-1.3x at 8-16 rows, hence only above 16).
+ * memory, and every group prefetches its share of the next block. Same harness, best of 9-15,
+ * over several runs: 0.73-0.94x the time at 32-64 rows, 0.92-0.99x at 24 (0.88-1.47x at 8-16
+ * rows, hence only above 16).
  * Order of summation: y[m, n] is lane l summing k = l, l + LANES, ... below K - K % LANES,
  * then the lanes added pairwise, then the scalar tail, then the bias: the same order whatever
  * M, the tile a row lands in, the order of the loops (blocked or not: a chunk's partial sums
