@@ -3,10 +3,10 @@
 
 The kernel must compute ``x @ W.T + b`` to rounding (another summation order than the BLAS:
 compared with a float64 product at 1e-5 relative to the size of the terms, where fp32 rounding
-is ~1e-7) for every tile shape and tail (rows 1-16 across the 6-row tiles, odd N across the
-2-row tiles, K not a multiple of the 8 lanes) and in the blocked order above 16 rows (blocks of
-W, K in chunks of 512), give a row the same bits whatever rows, loop order and thread count
-surround it, and refuse tensors it cannot read with ``ValueError``. The router must send
+is ~1e-7) for every tile shape and tail (rows 1-16 across row groups of at most 6, odd N
+across the 2-row tiles, K not a multiple of the 8 lanes) and in the blocked order above 16 rows
+(blocks of W, K in chunks of 512), give a row the same bits whatever rows, loop order and thread
+count surround it, and refuse tensors it cannot read with ``ValueError``. The router must send
 only fp32 inference calls of at most ``MAX_ROWS`` rows to it and everything else to torch
 unchanged. The HF equivalence suite (``test_llm_equivalence.py``) runs through it: on CPU every
 engine routes its fp32 linears (checked below).
@@ -39,7 +39,7 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     assert err < TOL, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 23, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 16, 17, 19, 23, 25, 40])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (2, 8), (3, 7), (37, 100), (64, 512), (5, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_a_float64_product(
@@ -74,9 +74,10 @@ def test_each_row_is_independent_of_batch_and_threads(kernel: native.SkinnyLinea
     b = torch.randn(45, generator=gen)
     full = torch.empty(16, 45)
     kernel(x, w, b, full)
-    # Every tile shape: 1-4 rows (wide in W), 6-row groups and their tails.
+    # Every tile shape: 1-4 rows (wide in W), one group of 5-6, groups of near-equal sizes
+    # (7 rows: 4 + 3; 11: 6 + 5; 16: 6 + 5 + 5).
     slices = (range(1), range(3, 4), range(2, 4), range(4, 7), range(8, 12), range(5, 12))
-    for rows in (*slices, range(10, 16)):
+    for rows in (*slices, range(10, 16), range(1, 8), range(0, 11)):
         part = torch.empty(len(rows), 45)
         kernel(x[rows.start : rows.stop], w, b, part, num_threads=2)
         assert torch.equal(part, full[rows.start : rows.stop]), f"rows {rows} changed bits"

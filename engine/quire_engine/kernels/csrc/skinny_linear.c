@@ -27,6 +27,12 @@
  * it per W row), the lane sums of a tile run four at a time in vector form, and every row group
  * prefetches its share of the next tiles: 0.74-0.92x the time at 8-64 rows (same harness, best
  * of 9 alternating passes; 0.95-1.04x at 1-6 rows, within the harness's noise).
+ * The rows of x are split into ceil(M / 6) groups of sizes that differ by at most one
+ * (`group_start`): with 6-row groups and the rest, 7, 13, 19 or 25 rows ended in a one-row
+ * group that re-read every W tile for two multiply-adds per vector. Even groups took 0.75-0.80x
+ * the time at those sizes and 0.87-0.98x at most others (best of 25 alternating passes, weights
+ * 64-byte aligned as torch's are); in the engine's own decode steps of the offline 32m workload,
+ * each step run by both builds in turn, 0.95x at 5-16 sequences and 0.94x at 17-32.
  * Above 16 rows (the native decode step's 17-64 sequences) the arithmetic, not the weight
  * stream, bounds the call, and in the order above every W tile met all the row groups of x in
  * turn: 6 x vectors per 12 multiply-adds came from L2 (x outgrows L1 past a few rows), which
@@ -185,18 +191,26 @@ static const struct {
     tile_fn fn;
 } WIDE[5] = {{0, NULL}, {8, tile_1_8}, {4, tile_2_4}, {4, tile_3_4}, {3, tile_4_3}};
 
-/* The blocked order for one block of W, rows n0 .. n0 + nb: each group of ROWS_X rows of x runs
- * over every tile of the block, one chunk of K at a time (the chunk of x stays in L1, the block
- * in L2; the first group reads it from memory). Every group prefetches its share of the same
- * tiles of the next block, `next_nb` rows (0: none), while it computes. */
+/* Row groups: M rows of x in `groups` = ceil(M / ROWS_X) groups whose sizes differ by at most
+ * one (7 rows: 4 + 3, not 6 + 1): a group of one or two rows keeps only 2-4 accumulators busy
+ * yet reads every W tile again, as a full group does. Group g starts at row group_start(g). */
+static inline int64_t group_start(int64_t M, int64_t groups, int64_t g)
+{
+    return g * (M / groups) + (g < M % groups ? g : M % groups);
+}
+
+/* The blocked order for one block of W, rows n0 .. n0 + nb: each group of rows of x
+ * (`group_start`) runs over every tile of the block, one chunk of K at a time (the chunk of x
+ * stays in L1, the block in L2; the first group reads it from memory). Every group prefetches
+ * its share of the same tiles of the next block, `next_nb` rows (0: none), while it computes. */
 static void blocked(const float *x, int64_t x_stride, int64_t M, const float *w, const float *bias,
                     int64_t K, float *y, int64_t y_stride, int64_t n0, int64_t nb, int64_t next_nb)
 {
     vec partial[BLOCK_MAX / ROWS_W][ROWS_X * ROWS_W]; /* per tile, between chunks */
     const int64_t k_vec = K - K % LANES, groups = (M + ROWS_X - 1) / ROWS_X;
     const int64_t chunk = k_vec > CHUNK ? CHUNK : k_vec;
-    for (int64_t m = 0; m < M; m += ROWS_X) {
-        const int64_t mx = M - m < ROWS_X ? M - m : ROWS_X;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t m = group_start(M, groups, g), mx = group_start(M, groups, g + 1) - m;
         /* At least one pass, so that a K below LANES still runs each tile (for its tail). */
         int64_t k0 = 0;
         do {
@@ -208,7 +222,7 @@ static void blocked(const float *x, int64_t x_stride, int64_t M, const float *w,
                 TILES[nw - 1][mx - 1](x + m * x_stride, x_stride, w + n * K, K, k0, k1,
                                       chunk < k_vec ? partial[t] : NULL,
                                       bias != NULL ? bias + n : NULL, y + m * y_stride + n,
-                                      y_stride, ahead, m / ROWS_X, groups);
+                                      y_stride, ahead, g, groups);
             }
             k0 = k1;
         } while (k0 < k_vec);
@@ -257,11 +271,10 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
                     0, 1);
             continue;
         }
-        for (int64_t m = 0; m < M; m += ROWS_X) {
-            const int64_t mx = M - m < ROWS_X ? M - m : ROWS_X;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t m = group_start(M, groups, g), mx = group_start(M, groups, g + 1) - m;
             TILES[nw - 1][mx - 1](x + m * x_stride, x_stride, w + n * K, K, 0, K - K % LANES,
-                                  NULL, b, y + m * y_stride + n, y_stride, ahead, m / ROWS_X,
-                                  groups);
+                                  NULL, b, y + m * y_stride + n, y_stride, ahead, g, groups);
         }
     }
 }
