@@ -161,6 +161,35 @@ def test_decode_steps_match_the_module_path(
     _assert_logits_close(native_logits, rec.logits)
 
 
+@pytest.mark.parametrize("rope", ["default", "llama3", "per-step"])
+def test_rope_rows_are_the_rotary_modules_own_values(rope: str, tmp_path: Path) -> None:
+    """Fixed frequencies: cos/sin come from a table over positions made by one call of the
+    model's rotary module, grown on demand (here 256 rows, then capped at the pool's 1,024
+    tokens). RoPE that recomputes its frequencies from each call's positions ("dynamic", which
+    the loader refuses, and "longrope", served below its original length) asks the module
+    every step ("per-step": that path, forced). Either way each token gets the bits a call for
+    its own step gives."""
+    llm = _llm(build("llama3-rope" if rope == "llama3" else "llama", tmp_path / rope))
+    stack = llm.engine.runner.decoder  # 64 blocks of 16: positions up to 1,023
+    assert stack is not None
+    rotary: Any = llm.engine.runner.model.model.rotary_emb
+    assert stack._rope_static, rotary.rope_type
+    assert {"dynamic", "longrope"} <= decoder_cpu._DYNAMIC_ROPE
+    if rope == "per-step":
+        stack._rope_static = False
+    for positions in ([0, 3, 40], [5, 255], [700, 1023, 2], [1023]):
+        pos = np.array(positions, dtype=np.int64)
+        cos, sin, rows = stack._cos_sin(pos)
+        want_cos, want_sin = rotary(torch.empty((1, len(pos), 0)), torch.from_numpy(pos)[None])
+        at = torch.from_numpy(rows)
+        assert torch.equal(cos[at], want_cos[0]) and torch.equal(sin[at], want_sin[0])
+        if rope == "per-step":
+            assert rows.tolist() == list(range(len(pos))) and stack._rope_table is None
+        else:
+            assert rows.tolist() == positions
+            assert cos.shape[0] == (256 if max(positions) < 256 else 1024)
+
+
 def test_other_models_and_steps_take_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,12 +19,13 @@ Anything else takes the module path, unchanged.
 What equals what: the attention is the kernel the module path calls (same bits), and so are the
 matmuls up to 16 sequences (above, the module path's BLAS differs by rounding); RoPE and the
 residual adds are the same float operations in the same order, on cos/sin from the model's own
-rotary module (same bits); RMSNorm's sum of squares and SiLU's exp round differently from
-torch's. So logits equal the module path's to rounding, in these steps each row's logits are
-the same bits whatever other rows share the step (every part is computed row by row, in an order
-that depends only on the row; a step with a prefill runs the modules instead), and the HF
-equivalence suite, whose decode steps run through here, checks greedy tokens against
-transformers' ``generate``.
+rotary module (same bits: with fixed frequencies a table over positions from one call of it,
+which the kernel reads in place, as vLLM's cos_sin_cache); RMSNorm's sum of squares and SiLU's
+exp round differently from torch's. So logits equal the module path's to rounding, in these
+steps each row's logits are the same bits whatever other rows share the step (every part is
+computed row by row, in an order that depends only on the row; a step with a prefill runs the
+modules instead), and the HF equivalence suite, whose decode steps run through here, checks
+greedy tokens against transformers' ``generate``.
 
 Ownership: a ``DecoderStack`` reads (never writes) the model's weights and writes each step's
 K/V into the runner's pools at its slots, as the module path does. It hands raw addresses to C,
@@ -137,6 +138,13 @@ class DecoderStack:
         self._table = table
         self._globals = self._addresses[num_layers * per_layer :]  # embed, norm, lm_head, bias
         self._rotary = model.model.rotary_emb  # checked by _check
+        # cos/sin of positions [0, rows), [rows, head_dim] each, from the rotary module's own
+        # forward (grown on demand; None until the first step): vLLM's cos_sin_cache. Only for
+        # RoPE whose frequencies are fixed at init ("dynamic" and "longrope" recompute them from
+        # the largest position of each call, so those are asked every step).
+        rope_type = getattr(self._rotary, "rope_type", None)
+        self._rope_static = isinstance(rope_type, str) and rope_type not in _DYNAMIC_ROPE
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -196,10 +204,7 @@ class DecoderStack:
             raise ValueError("a K/V slot outside the pool")
         if not np.array_equal(positions, seq_lens - 1):
             raise ValueError("a decode token must sit at its sequence's last position")
-        pos = torch.from_numpy(positions)[None]
-        probe = torch.empty((1, n, 0), dtype=torch.float32)  # rotary reads its dtype/device
-        cos, sin = self._rotary(probe, pos)  # [1, n, head_dim] each
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin, rope_rows = self._cos_sin(np.ascontiguousarray(positions, dtype=np.int64))
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
         slot = np.ascontiguousarray(slots, dtype=np.int64)
@@ -211,10 +216,44 @@ class DecoderStack:
             self.windows.ctypes.data, self.scales.ctypes.data, embed, norm, lm_head,
             lm_bias or None, d.vocab, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.eps,
             self.block_size, n, ids.ctypes.data, cos.data_ptr(), sin.data_ptr(),
-            slot.ctypes.data, tab.ctypes.data, tab.shape[1], lens.ctypes.data,
-            logits.data_ptr(), torch.get_num_threads(),
+            rope_rows.ctypes.data, slot.ctypes.data, tab.ctypes.data, tab.shape[1],
+            lens.ctypes.data, logits.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return logits
+
+    def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """cos and sin ``[rows, head_dim]`` (contiguous) and, per token, its row in them (int64
+        ``[n]``) for these positions (int64 ``[n]``, contiguous, checked >= 0 by the caller).
+
+        Each element is ``cos(p * inv_freq[i]) * scaling`` (``sin`` alike), a function of its
+        position alone, so a table made by one call of the module over positions ``[0, rows)``
+        holds the values a call per step gives, and the kernel reads a token's row in place
+        (its row is its position). Cold, after a step has streamed the weights, the module's
+        forward took ~0.4 ms per step and gathering rows from the table ~0.2 ms; the table's
+        rows cost nothing here."""
+        need = int(positions.max()) + 1
+        # Past the pool's token count (only a windowed sequence gets there) no table is kept:
+        # it stays within 2x the pool's tokens, a row 1/(layers x KV heads) of a pool's row.
+        cap = self.num_blocks * self.block_size
+        if not self._rope_static or need > cap:
+            probe = torch.empty((1, len(positions), 0), dtype=torch.float32)  # dtype/device
+            cos, sin = self._rotary(probe, torch.from_numpy(positions)[None])  # [1, n, hd]
+            rows = np.arange(len(positions), dtype=np.int64)
+            return cos[0].contiguous(), sin[0].contiguous(), rows
+        table = self._rope_table
+        if table is None or table[0].shape[0] < need:
+            # Doubling, in whole multiples of 16 rows (at most cap + 15), so a long sequence
+            # rebuilds it O(log length) times.
+            have = 0 if table is None else table[0].shape[0]
+            rows_wanted = -(-min(max(need, 2 * have, 256), cap) // 16) * 16
+            probe = torch.empty((1, rows_wanted, 0), dtype=torch.float32)
+            cos, sin = self._rotary(probe, torch.arange(rows_wanted)[None])
+            table = self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
+        return table[0], table[1], positions
+
+
+# RoPE types whose forward recomputes the frequencies from the positions of each call.
+_DYNAMIC_ROPE = frozenset({"dynamic", "longrope"})
 
 
 def _addresses(sources: list[tuple[torch.nn.Module, str]]) -> list[int]:

@@ -285,7 +285,7 @@ class DecoderDecode:
         fn.restype = ctypes.c_int
         f = ctypes.c_float
         fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, f, _I, _I]
-        fn.argtypes += [_P, _P, _P, _P, _P, _I, _P, _P, _I]
+        fn.argtypes += [_P, _P, _P, _P, _P, _P, _I, _P, _P, _I]
         self._fn = fn
 
     def __call__(self, *args: int | float | None) -> None:

@@ -25,7 +25,9 @@
  *   windows  int64 [num_layers]: sliding window, 0 for none; scales [num_layers]: softmax scale
  *   embed    [vocab_rows, hidden]; final_norm [hidden]; lm_head [vocab, hidden]; lm_bias or NULL
  *   ids      int64 [n], each in 0 .. vocab_rows - 1 (checked by the caller)
- *   cos, sin [n, head_dim]: the model's rotary embedding at each token's position
+ *   cos, sin [rope_rows_total, head_dim]: the model's rotary embedding, token t's at row
+ *            rope_rows[t] (int64 [n], each inside the arrays: checked by the caller), so a
+ *            table over positions is read in place (rope_rows = the positions)
  *   slots    int64 [n]: block_id * block_size + offset, the token's place in the K/V pools
  *   tables   int32 [n, table_stride]; lens int64 [n]: as quire_paged_decode takes them
  *   logits   [n, vocab]
@@ -143,7 +145,7 @@ int quire_decoder_decode(const int64_t *layers, int64_t num_fields, int64_t num_
                          int64_t vocab, int64_t hidden, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, int64_t inter, float eps, int64_t block_size, int64_t n,
                          const int64_t *ids, const float *cos, const float *sin,
-                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                         const int64_t *rope_rows, const int64_t *slots, const int32_t *tables, int64_t table_stride,
                          const int64_t *lens, float *logits, int64_t num_threads)
 {
     if (num_fields != NUM_FIELDS)
@@ -182,7 +184,8 @@ int quire_decoder_decode(const int64_t *layers, int64_t num_fields, int64_t num_
                             v, kv_width, num_threads);
         float *k_cache = FIELD(row, F_K_CACHE), *v_cache = FIELD(row, F_V_CACHE);
         for (int64_t t = 0; t < n; t++) {
-            const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+            const float *c = cos + rope_rows[t] * head_dim;
+            const float *s = sin + rope_rows[t] * head_dim;
             rope(q + t * q_width, heads, head_dim, c, s, tmp);
             rope(k + t * kv_width, kv_heads, head_dim, c, s, tmp);
             memcpy(k_cache + slots[t] * kv_width, k + t * kv_width, sizeof(float) * kv_width);
