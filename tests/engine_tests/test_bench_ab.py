@@ -3,14 +3,20 @@ best and median per numeric key."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
+
+from tests.engine_tests.toolchain import require_native_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,3 +68,66 @@ def test_instruction_counts_are_read_from_cachegrind_and_differenced() -> None:
     assert ir.per_step(1_000, 5_000, 100) == 40.0
     with pytest.raises(ValueError):
         ir.per_step(5_000, 5_000, 100)  # the longer run must count more
+
+
+def _head() -> str:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and a git checkout")
+    return subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _fake_kernel(value: float) -> Any:
+    """A stand-in for a native decoder build: fills the step's logits with ``value``."""
+
+    def kernel(*args: Any) -> None:
+        n, vocab, at = args[17], args[9], args[-2]
+        pointer = ctypes.cast(at, ctypes.POINTER(ctypes.c_float))
+        np.ctypeslib.as_array(pointer, shape=(n, vocab))[:] = value
+
+    return kernel
+
+
+def test_native_ab_times_both_builds_and_refuses_different_results() -> None:
+    native_ab = _load("native_ab")
+    logits = torch.zeros(3, 5)
+    args: list[Any] = [0] * 28
+    args[9], args[17], args[-2] = 5, 3, logits.data_ptr()
+    same = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.0))
+    same(*args)
+    same(*args)  # the other build first
+    assert [n for n, _, _ in same.steps] == [3, 3] and torch.equal(logits, torch.ones(3, 5))
+    got = native_ab.report([(1, 2.0, 1.0), (3, 1.0, 1.5), (3, 1.0, 0.5), (40, 4.0, 2.0)])
+    assert got["1"] == {
+        "steps": 1, "base_s": 2.0, "head_s": 1.0, "head_vs_base": 0.5, "median_step_ratio": 0.5
+    }  # fmt: skip
+    assert got["2-4"]["head_vs_base"] == 1.0 and got["2-4"]["median_step_ratio"] == 1.0
+    assert got["all"]["steps"] == 4 and got["all"]["head_vs_base"] == 0.625
+    assert "5-16" not in got  # no steps of that size
+    differ = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(2.0))
+    with pytest.raises(SystemExit, match="different logits"):
+        differ(*args)
+
+
+def test_native_ab_refuses_builds_with_another_entry_point(tmp_path: Path) -> None:
+    native_ab = _load("native_ab")
+    source = REPO / "engine/quire_engine/kernels/csrc/decoder_decode.c"
+    changed = tmp_path / "engine/quire_engine/kernels/csrc/decoder_decode.c"
+    changed.parent.mkdir(parents=True)
+    text = source.read_text()
+    changed.write_text(text.replace("int64_t block_size, int64_t n,", "int64_t block_size,", 1))
+    assert native_ab.prototype(tmp_path) != native_ab.prototype(REPO)
+    with pytest.raises(SystemExit, match="parameters differ"):
+        native_ab.main(["--base", _head(), "--head", str(tmp_path)])
+
+
+def test_native_ab_pairs_every_native_step(capsys: pytest.CaptureFixture[str]) -> None:
+    require_native_kernels()
+    native_ab = _load("native_ab")
+    argv = ["--base", _head(), "--layers", "1", "--hidden-size", "64", "--num-requests", "6"]
+    assert native_ab.main([*argv, "--budget-tokens", "2048"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    classes = [v for k, v in report.items() if isinstance(v, dict) and k != "all"]
+    assert report["all"]["steps"] == sum(c["steps"] for c in classes) > 0
+    assert report["all"]["base_s"] > 0 and report["all"]["head_s"] > 0

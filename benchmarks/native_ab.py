@@ -1,0 +1,202 @@
+"""Compare two builds of the native CPU kernels step by step, inside one engine run.
+
+    python benchmarks/native_ab.py --base REV [--head DIR] [--repeats 1]
+
+``ab.py`` alternates whole benchmark runs, so on a shared machine a change of a few percent
+drowns in the minutes' swings (the same code ran at 166-202 tok/s within an hour here). This
+runs the offline workload of ``quire-engine bench throughput --preset 32m`` (same model, same
+requests) once, and every native decode step calls both builds of ``quire_decoder_decode`` in
+turn, on the same inputs, alternating which goes first: both face the same seconds of the
+machine. The builds must give the same bits (it checks every step's logits): then both write
+the same K/V to the same slots and the run is the one either build alone would make. A change
+that alters results, or the C entry point's signature, is refused: compare it with ``ab.py``.
+
+Each build is the library that version's ``kernels/native.py`` compiles (into the shared kernel
+cache, through a child process with that version on ``PYTHONPATH``); the engine around them is
+this checkout's. The report: per class of step size (sequences in the step), the seconds each
+build spent, ``head_vs_base`` (ratio of those sums) and the median of the per-step ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+# Step sizes reported apart: memory-bound (1-4), mixed (5-16) and arithmetic-bound (17-64).
+CLASSES = ((1, 1), (2, 4), (5, 16), (17, 32), (33, 64))
+_PROTOTYPE = re.compile(r"int\s+quire_decoder_decode\s*\(([^)]*)\)", re.S)
+
+
+def _ab() -> Any:
+    spec = importlib.util.spec_from_file_location("quire_ab", REPO / "benchmarks" / "ab.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prototype(root: Path) -> str:
+    """The parameter list of ``quire_decoder_decode`` in ``root``'s sources, whitespace folded."""
+    source = (root / "engine/quire_engine/kernels/csrc/decoder_decode.c").read_text()
+    found = _PROTOTYPE.search(source)
+    if found is None:
+        raise SystemExit(f"{root}: no quire_decoder_decode in decoder_decode.c")
+    return " ".join(found.group(1).split())
+
+
+def library_of(root: Path) -> Path:
+    """The shared object ``root``'s ``native.py`` builds (or finds in the kernel cache)."""
+    code = "from quire_engine.kernels import native; lib = native.library(); print(lib.path)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root / "engine")},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    path = Path(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
+    if proc.returncode != 0 or path is None or not path.is_file():
+        raise SystemExit(f"{root}: the native kernels did not build:\n{proc.stderr[-2000:]}")
+    return path
+
+
+class Paired:
+    """Stands in for a ``DecoderStack``'s kernel: calls both builds, in alternating order, and
+    records ``(sequences, base seconds, head seconds)`` per step."""
+
+    def __init__(self, base: Any, head: Any) -> None:
+        self.base, self.head = base, head
+        self.steps: list[tuple[int, float, float]] = []
+        self._head_first = True
+
+    def __call__(self, *args: Any) -> None:
+        n, vocab, logits_at = int(args[17]), int(args[9]), int(args[-2])
+        # The logits are written in place: keep the first build's and compare with the second's.
+        pointer = ctypes.cast(logits_at, ctypes.POINTER(ctypes.c_float))
+        out = torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(n, vocab)))
+        order = (self.head, self.base) if self._head_first else (self.base, self.head)
+        self._head_first = not self._head_first
+        took: dict[int, float] = {}
+        first: torch.Tensor | None = None
+        for kernel in order:
+            start = time.perf_counter()
+            kernel(*args)
+            took[id(kernel)] = time.perf_counter() - start
+            if first is None:
+                first = out.clone()
+        if first is None or not torch.equal(first, out):
+            raise SystemExit("the two builds gave different logits: compare them with ab.py")
+        self.steps.append((n, took[id(self.base)], took[id(self.head)]))
+
+
+def report(steps: list[tuple[int, float, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for lo, hi in (*CLASSES, (1, 1 << 30)):
+        rows = [(b, h) for n, b, h in steps if lo <= n <= hi]
+        if not rows:
+            continue
+        base_s, head_s = sum(b for b, _ in rows), sum(h for _, h in rows)
+        name = "all" if hi == 1 << 30 else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+        out[name] = {
+            "steps": len(rows),
+            "base_s": round(base_s, 4),
+            "head_s": round(head_s, 4),
+            "head_vs_base": round(head_s / base_s, 3) if base_s else None,
+            "median_step_ratio": round(statistics.median(h / b for b, h in rows if b), 3),
+        }
+    return out
+
+
+def run(args: argparse.Namespace, base_lib: Path, head_lib: Path) -> dict[str, Any]:
+    from quire_engine.bench import throughput
+    from quire_engine.bench.workload import sharegpt_like
+    from quire_engine.kernels import native
+    from quire_engine.llm import LLM
+    from quire_engine.sampling_params import SamplingParams
+    from quire_engine.tiny_model import build_tokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    lengths = sharegpt_like(
+        args.num_requests, mean_prompt=128, mean_output=128, max_model_len=1024, seed=args.seed
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(1, 4096, (r.prompt,), generator=gen).tolist() for r in lengths]
+    config = throughput.llama_config(args.hidden_size, args.layers, 4096, 1024)
+    model = throughput.LlamaForCausalLM(config).eval()
+
+    def load(path: Path) -> Any:
+        return native.DecoderDecode(native.Library(ctypes.CDLL(str(path)), path, ()))
+
+    paired = Paired(load(base_lib), load(head_lib))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model"
+        model.save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+        llm = LLM(
+            str(path),
+            block_size=16,
+            num_blocks=args.budget_tokens // 16,
+            max_model_len=1024,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+        )
+        stack = llm.engine.runner.decoder
+        if stack is None:
+            raise SystemExit("the native decoder is off here (no compiler, or turned off)")
+        stack.kernel = paired  # type: ignore[assignment]  # the same call, timed twice
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
+        ]
+        for _ in range(args.repeats):
+            llm.generate(prompts, params)
+        if llm.engine.runner.decoder is not stack:
+            raise SystemExit("the native decoder was rebuilt mid-run: the pairing was lost")
+    return {"base_library": base_lib.name, "head_library": head_lib.name, **report(paired.steps)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ab = _ab()
+    ab.add_revisions(parser)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of the workload")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=9, help="9: the 32.5M Llama of --preset 32m")
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--budget-tokens", type=int, default=12_288)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.num_requests < 1:
+        parser.error("--repeats and --num-requests must be >= 1")
+    head_root = args.head.resolve()
+    with tempfile.TemporaryDirectory(prefix="quire-native-ab-") as tmp:
+        base_root = ab.export(args.base, Path(tmp))
+        if not prototype(base_root) == prototype(head_root) == prototype(REPO):
+            raise SystemExit(
+                "quire_decoder_decode's parameters differ between the builds (or from this "
+                "checkout, whose engine calls them): compare them with ab.py"
+            )
+        base_lib, head_lib = library_of(base_root), library_of(head_root)
+    result = {"base": args.base, "head": str(head_root), **run(args, base_lib, head_lib)}
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
