@@ -145,8 +145,9 @@ int quire_decoder_decode(const int64_t *layers, int64_t num_fields, int64_t num_
                          int64_t vocab, int64_t hidden, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, int64_t inter, float eps, int64_t block_size, int64_t n,
                          const int64_t *ids, const float *cos, const float *sin,
-                         const int64_t *rope_rows, const int64_t *slots, const int32_t *tables, int64_t table_stride,
-                         const int64_t *lens, float *logits, int64_t num_threads)
+                         const int64_t *rope_rows, const int64_t *slots, const int32_t *tables,
+                         int64_t table_stride, const int64_t *lens, float *logits,
+                         int64_t num_threads)
 {
     if (num_fields != NUM_FIELDS)
         return 2;
