@@ -1,15 +1,16 @@
 """Compare two builds of the native CPU kernels step by step, inside one engine run.
 
-    python benchmarks/native_ab.py --base REV [--head DIR] [--repeats 1]
+    python benchmarks/native_ab.py --base REV [--head DIR] [--repeats 1] [-- BENCH FLAGS]
 
 ``ab.py`` alternates whole benchmark runs, so on a shared machine a change of a few percent
 drowns in the minutes' swings (the same code ran at 166-202 tok/s within an hour here). This
-runs the offline workload of ``quire-engine bench throughput --preset 32m`` (same model, same
-requests) once, and every native decode step calls both builds of ``quire_decoder_decode`` in
-turn, on the same inputs, alternating which goes first: both face the same seconds of the
-machine. The builds must give the same bits (it checks every step's logits): then both write
-the same K/V to the same slots and the run is the one either build alone would make. A change
-that alters results, or the C entry point's signature, is refused: compare it with ``ab.py``.
+runs Quire's part of ``quire-engine bench throughput`` once (its model, requests and engine;
+the flags after ``--``, default ``--preset 32m``), and every native decode step calls both
+builds of ``quire_decoder_decode`` in turn, on the same inputs, alternating which goes first:
+both face the same seconds of the machine. The builds must give the same bits (it checks every
+step's logits): then both write the same K/V to the same slots and the run is the one either
+build alone would make. A change that alters results, or the C entry point's signature, is
+refused: compare it with ``ab.py``.
 
 Each build is the library that version's ``kernels/native.py`` compiles (into the shared kernel
 cache, through a child process with that version on ``PYTHONPATH``); the engine around them is
@@ -39,6 +40,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 # Step sizes reported apart: memory-bound (1-4), mixed (5-16) and arithmetic-bound (17-64).
 CLASSES = ((1, 1), (2, 4), (5, 16), (17, 32), (33, 64))
+# Where DecoderStack.decode passes the step's sequence count, the vocabulary size and the logits'
+# address to quire_decoder_decode (its C signature, which `prototype` compares).
+_ARG_N, _ARG_VOCAB, _ARG_LOGITS = 17, 9, -2
 _PROTOTYPE = re.compile(r"int\s+quire_decoder_decode\s*\(([^)]*)\)", re.S)
 
 
@@ -86,7 +90,7 @@ class Paired:
         self._head_first = True
 
     def __call__(self, *args: Any) -> None:
-        n, vocab, logits_at = int(args[17]), int(args[9]), int(args[-2])
+        n, vocab, logits_at = int(args[_ARG_N]), int(args[_ARG_VOCAB]), int(args[_ARG_LOGITS])
         # The logits are written in place: keep the first build's and compare with the second's.
         pointer = ctypes.cast(logits_at, ctypes.POINTER(ctypes.c_float))
         out = torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(n, vocab)))
@@ -105,67 +109,51 @@ class Paired:
         self.steps.append((n, took[id(self.base)], took[id(self.head)]))
 
 
+def _summary(rows: list[tuple[float, float]]) -> dict[str, Any]:
+    base_s, head_s = sum(b for b, _ in rows), sum(h for _, h in rows)
+    return {
+        "steps": len(rows),
+        "base_s": round(base_s, 4),
+        "head_s": round(head_s, 4),
+        "head_vs_base": round(head_s / base_s, 3) if base_s else None,
+        "median_step_ratio": round(statistics.median(h / b for b, h in rows if b), 3),
+    }
+
+
 def report(steps: list[tuple[int, float, float]]) -> dict[str, Any]:
+    """Per class of step size that has steps (``"1"``, ``"2-4"``, ...), and ``"all"``."""
     out: dict[str, Any] = {}
-    for lo, hi in (*CLASSES, (1, 1 << 30)):
+    for lo, hi in CLASSES:
         rows = [(b, h) for n, b, h in steps if lo <= n <= hi]
-        if not rows:
-            continue
-        base_s, head_s = sum(b for b, _ in rows), sum(h for _, h in rows)
-        name = "all" if hi == 1 << 30 else (f"{lo}" if lo == hi else f"{lo}-{hi}")
-        out[name] = {
-            "steps": len(rows),
-            "base_s": round(base_s, 4),
-            "head_s": round(head_s, 4),
-            "head_vs_base": round(head_s / base_s, 3) if base_s else None,
-            "median_step_ratio": round(statistics.median(h / b for b, h in rows if b), 3),
-        }
+        if rows:
+            out[f"{lo}" if lo == hi else f"{lo}-{hi}"] = _summary(rows)
+    if steps:
+        out["all"] = _summary([(b, h) for _, b, h in steps])
     return out
 
 
 def run(args: argparse.Namespace, base_lib: Path, head_lib: Path) -> dict[str, Any]:
     from quire_engine.bench import throughput
-    from quire_engine.bench.workload import sharegpt_like
     from quire_engine.kernels import native
-    from quire_engine.llm import LLM
-    from quire_engine.sampling_params import SamplingParams
-    from quire_engine.tiny_model import build_tokenizer
 
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    lengths = sharegpt_like(
-        args.num_requests, mean_prompt=128, mean_output=128, max_model_len=1024, seed=args.seed
-    )
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(1, 4096, (r.prompt,), generator=gen).tolist() for r in lengths]
-    config = throughput.llama_config(args.hidden_size, args.layers, 4096, 1024)
-    model = throughput.LlamaForCausalLM(config).eval()
+    bench = throughput.parse(args.workload)
+    if bench.device != "cpu":
+        raise SystemExit("the native kernels run on CPU only")
+    lengths, prompts = throughput.workload(bench)
+    model = throughput.bench_model(bench)
 
     def load(path: Path) -> Any:
         return native.DecoderDecode(native.Library(ctypes.CDLL(str(path)), path, ()))
 
     paired = Paired(load(base_lib), load(head_lib))
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model"
-        model.save_pretrained(path)
-        build_tokenizer().save_pretrained(path)
-        llm = LLM(
-            str(path),
-            block_size=16,
-            num_blocks=args.budget_tokens // 16,
-            max_model_len=1024,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
-        )
+        llm = throughput.quire_llm(model, Path(tmp), bench.budget_seqs * bench.max_model_len, bench)
         stack = llm.engine.runner.decoder
         if stack is None:
             raise SystemExit("the native decoder is off here (no compiler, or turned off)")
         stack.kernel = paired  # type: ignore[assignment]  # the same call, timed twice
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
-        ]
         for _ in range(args.repeats):
-            llm.generate(prompts, params)
+            llm.generate(prompts, throughput.request_params(lengths))
         if llm.engine.runner.decoder is not stack:
             raise SystemExit("the native decoder was rebuilt mid-run: the pairing was lost")
     return {"base_library": base_lib.name, "head_library": head_lib.name, **report(paired.steps)}
@@ -176,14 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ab = _ab()
     ab.add_revisions(parser)
     parser.add_argument("--repeats", type=int, default=1, help="runs of the workload")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=9, help="9: the 32.5M Llama of --preset 32m")
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--budget-tokens", type=int, default=12_288)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "workload",
+        nargs=argparse.REMAINDER,
+        help="-- then `bench throughput` flags for the workload (default: --preset 32m)",
+    )
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.num_requests < 1:
-        parser.error("--repeats and --num-requests must be >= 1")
+    args.workload = (args.workload[1:] if args.workload[:1] == ["--"] else args.workload) or [
+        "--preset",
+        "32m",
+    ]
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     head_root = args.head.resolve()
     with tempfile.TemporaryDirectory(prefix="quire-native-ab-") as tmp:
         base_root = ab.export(args.base, Path(tmp))

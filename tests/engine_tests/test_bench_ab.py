@@ -82,7 +82,7 @@ def _fake_kernel(value: float) -> Any:
     """A stand-in for a native decoder build: fills the step's logits with ``value``."""
 
     def kernel(*args: Any) -> None:
-        n, vocab, at = args[17], args[9], args[-2]
+        n, vocab, at = args[17], args[9], args[-2]  # native_ab's _ARG_N, _ARG_VOCAB, _ARG_LOGITS
         pointer = ctypes.cast(at, ctypes.POINTER(ctypes.c_float))
         np.ctypeslib.as_array(pointer, shape=(n, vocab))[:] = value
 
@@ -93,7 +93,8 @@ def test_native_ab_times_both_builds_and_refuses_different_results() -> None:
     native_ab = _load("native_ab")
     logits = torch.zeros(3, 5)
     args: list[Any] = [0] * 28
-    args[9], args[17], args[-2] = 5, 3, logits.data_ptr()
+    args[native_ab._ARG_VOCAB], args[native_ab._ARG_N] = 5, 3
+    args[native_ab._ARG_LOGITS] = logits.data_ptr()
     same = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.0))
     same(*args)
     same(*args)  # the other build first
@@ -125,8 +126,8 @@ def test_native_ab_refuses_builds_with_another_entry_point(tmp_path: Path) -> No
 def test_native_ab_pairs_every_native_step(capsys: pytest.CaptureFixture[str]) -> None:
     require_native_kernels()
     native_ab = _load("native_ab")
-    argv = ["--base", _head(), "--layers", "1", "--hidden-size", "64", "--num-requests", "6"]
-    assert native_ab.main([*argv, "--budget-tokens", "2048"]) == 0
+    argv = ["--base", _head(), "--", "--layers", "1", "--hidden-size", "64"]
+    assert native_ab.main([*argv, "--num-requests", "6", "--budget-seqs", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     classes = [v for k, v in report.items() if isinstance(v, dict) and k != "all"]
     assert report["all"]["steps"] == sum(c["steps"] for c in classes) > 0

@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -44,6 +44,9 @@ from quire_engine.bench import roofline
 from quire_engine.bench.workload import RequestLengths, sharegpt_like
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.tiny_model import build_tokenizer
+
+if TYPE_CHECKING:
+    from quire_engine.llm import LLM
 
 # Named workloads: flag defaults they override (explicit flags still win).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -99,6 +102,16 @@ def bench_config(args: argparse.Namespace) -> LlamaConfig:
     return llama_config(args.hidden_size, args.layers, args.vocab_size, args.max_model_len)
 
 
+def bench_model(args: argparse.Namespace) -> PreTrainedModel:
+    """The benchmark Llama with random weights on ``args.device``, in ``args.dtype`` (``auto``
+    is resolved here, in ``args``: float32 on CPU, bfloat16 on CUDA)."""
+    device = torch.device(args.device)
+    if args.dtype == "auto":
+        args.dtype = "float32" if device.type == "cpu" else "bfloat16"
+    model = LlamaForCausalLM(bench_config(args)).eval()
+    return model.to(device=device, dtype=getattr(torch, args.dtype))
+
+
 def llama_config(hidden: int, layers: int, vocab: int, max_model_len: int) -> LlamaConfig:
     """The benchmark Llama: ~23M parameters at hidden 512, 6 layers, vocab 4096 (32.5M at 9
     layers): big enough that matmuls, not Python, dominate a step on 2 CPU cores, small enough
@@ -129,8 +142,9 @@ def _apply_preset(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    _apply_preset(args)
+def workload(args: argparse.Namespace) -> tuple[list[RequestLengths], list[list[int]]]:
+    """The requests' lengths and token-id prompts for these (preset-applied) arguments; seeds
+    torch and sets its thread count, as every run of this bench does first."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     lengths = sharegpt_like(
@@ -144,12 +158,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [
         torch.randint(1, args.vocab_size, (r.prompt,), generator=gen).tolist() for r in lengths
     ]
+    return lengths, prompts
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """This bench's arguments from ``argv`` with the preset applied (for other benchmarks that
+    run its workload: ``benchmarks/native_ab.py``)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    _apply_preset(args)
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _apply_preset(args)
+    lengths, prompts = workload(args)
     budget = args.budget_seqs * args.max_model_len
     device = torch.device(args.device)
-    if args.dtype == "auto":
-        args.dtype = "float32" if device.type == "cpu" else "bfloat16"
-    dtype = getattr(torch, args.dtype)
-    model = LlamaForCausalLM(bench_config(args)).eval().to(device=device, dtype=dtype)
+    model = bench_model(args)
     systems = args.systems.split(",")
     # On CPU, the machine's rates before the runs; measured again after them for the floor of
     # Quire's steps (bench.roofline).
@@ -221,25 +248,9 @@ def _quire(
     args: argparse.Namespace,
 ) -> tuple[_Rate, dict[str, Any] | None, roofline.StepLog]:
     from quire_engine.bench.profile import StepProfile
-    from quire_engine.llm import LLM
 
-    path = tmp / "model"
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    llm = LLM(
-        str(path),
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=budget // args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=256,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=True,
-    )
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths
-    ]
+    llm = quire_llm(model, tmp, budget, args)
+    params = request_params(lengths)
     llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)  # warm-up
     log = roofline.StepLog()
     with log.attach(llm.engine):  # a few microseconds per step of ~10-100 ms
@@ -256,6 +267,32 @@ def _quire(
             llm.generate(prompts, params)
         profile = prof.report()
     return _Rate(produced, elapsed, cpu), profile, log
+
+
+def quire_llm(model: PreTrainedModel, tmp: Path, budget: int, args: argparse.Namespace) -> LLM:
+    """Quire's engine (an ``LLM``) for ``model``, saved under ``tmp``, with a KV pool of
+    ``budget`` tokens and this bench's scheduler limits."""
+    from quire_engine.llm import LLM
+
+    path = tmp / "model"
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return LLM(
+        str(path),
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=budget // args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+    )
+
+
+def request_params(lengths: list[RequestLengths]) -> list[SamplingParams]:
+    """Greedy, EOS ignored, each request its own output length."""
+    return [SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths]
 
 
 def _hf_static(
