@@ -50,13 +50,8 @@
  * `p`, one request per 64-byte line). */
 static inline void prefetch_floats(const float *p, int64_t count)
 {
-#if defined(__GNUC__)
     for (int64_t i = 0; i < count; i += 16)
-        __builtin_prefetch(p + i, 0, 3);
-#else
-    (void)p;
-    (void)count;
-#endif
+        prefetch_l2(p + i);
 }
 
 /* Block b of a sequence whose visible positions are first .. len - 1: its tokens lo .. hi - 1

@@ -112,6 +112,27 @@ static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, con
         s[c] = lanes_sum(acc[c]);
 }
 
+/* Asks for the 64-byte line at p to be brought into the second-level cache, ahead of its use
+ * (locality 2: prefetcht1 on x86, PRFM PLDL2KEEP on Arm). Both kernels stream data that the
+ * hardware prefetcher does not fetch early enough on its own (W several rows at a time, K/V
+ * blocks anywhere in the pool). Why L2 and not L1 or non-temporal: on a Zen 4 core, with the
+ * same lines requested at the same points, locality 3 (prefetcht0, into L1) or 0 (prefetchnta,
+ * which the few-row matmul used) took 1.4-1.7x the time of this at 2-8 rows of x in
+ * skinny_linear.c, and the K/V reads of paged_decode.c (locality 3) 1.3-1.4x (C harnesses
+ * linking both versions, alternating); localities 1 and 2 were the same. In the engine's own
+ * decode steps (benchmarks/native_ab.py on the offline 32m workload, every step run by both
+ * builds in turn, the one-row matmuls now prefetching too): 0.79x the time at one sequence,
+ * 0.67x at 2-4, 0.70x at 5-16, 0.85x at 17-32, 0.92x at 33-64. Our reading: a request into L1
+ * holds one of the core's few L1 miss buffers until its line arrives, one into L2 does not. */
+static inline void prefetch_l2(const void *p)
+{
+#if defined(__GNUC__)
+    __builtin_prefetch(p, 0, 2);
+#else
+    (void)p;
+#endif
+}
+
 /* Keeps v in a register. Without it GCC folds the load of an x vector into every multiply-add
  * that uses it, loading it NW times: 14 loads for the 12 multiply-adds of a 6 x 2 tile, and the
  * load ports, not the multiply-adds, bound the tile. */

@@ -113,20 +113,24 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
                 acc[j] = vec_madd(acc[j], xv, vec_load(w + j * K + k));
+            if (k == prefetch_at) {
+#pragma GCC unroll 8
+                for (int j = 0; j < NW; j++)
+                    prefetch_l2(ahead + j * K + k);
+                prefetch_at += prefetch_step;
+            }
             continue;
         }
         vec wv[MAX_W];
 #pragma GCC unroll 8
         for (int j = 0; j < NW; j++)
             wv[j] = vec_load(w + j * K + k);
-#if defined(__GNUC__)
         if (k == prefetch_at) {
 #pragma GCC unroll 8
             for (int j = 0; j < NW; j++)
-                __builtin_prefetch(ahead + j * K + k, 0, 0);
+                prefetch_l2(ahead + j * K + k);
             prefetch_at += prefetch_step;
         }
-#endif
 #pragma GCC unroll 8
         for (int i = 0; i < MX; i++) {
             vec xv = vec_load(x + i * x_stride + k);
@@ -262,9 +266,10 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
         const int64_t n = t < num_wide ? t * wide : num_wide * wide + (t - num_wide) * ROWS_W;
         const int64_t width = t < num_wide ? wide : ROWS_W;
         const int64_t nw = N - n < width ? N - n : width;
-        /* Prefetch 4 tiles ahead; not at one row, where the 8-row tile streams best alone. */
+        /* Prefetch 4 tiles ahead (at one row too, since the prefetch goes to L2: see
+         * prefetch_l2). */
         const int64_t ahead_n = n + 4 * width;
-        const float *ahead = M > 1 && ahead_n + width <= N ? w + ahead_n * K : NULL;
+        const float *ahead = ahead_n + width <= N ? w + ahead_n * K : NULL;
         const float *b = bias != NULL ? bias + n : NULL;
         if (nw == wide && wide_fn != NULL) {
             wide_fn(x, x_stride, w + n * K, K, 0, K - K % LANES, NULL, b, y + n, y_stride, ahead,
