@@ -168,6 +168,19 @@ class BlockPool:
             self.cached[block_hash] = block
             block.block_hash = block_hash
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later requests recompute
+        what they would have revived. Only while no block is held, since a held block's hash is
+        its holder's to publish; returns whether the cache was reset. The free queue keeps its
+        order: forgetting a hash changes which blocks are worth keeping, not which are free."""
+        if self.free_queue.num_free != self.num_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        self._num_cached_free = 0
+        return True
+
     def stats(self) -> PoolStats:
         free = self.free_queue.num_free
         return PoolStats(

@@ -192,6 +192,10 @@ class KVCacheManager:
     def stats(self) -> PoolStats:
         return self.pool.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """``BlockPool.reset_prefix_cache`` of the device pool (the CPU pool caches nothing)."""
+        return self.pool.reset_prefix_cache()
+
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Hashes of the sequence's first ``num_blocks`` full blocks (computed lazily, cached on
         the sequence). Only blocks whose tokens are computed or being computed are asked for, and

@@ -81,6 +81,12 @@ class LLM:
         """Device pool: total, used (referenced), cached-but-free and free blocks."""
         return self.engine.scheduler.kv.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's ``LLM.reset_prefix_cache``), e.g. between benchmark
+        runs of the same prompts; False, and nothing forgotten, while a request holds blocks
+        (never between ``generate`` calls, which finish every request they add)."""
+        return self.engine.scheduler.kv.reset_prefix_cache()
+
     def _run(self, work: list[tuple[Prompt, SamplingParams, int | None]]) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in work]

@@ -17,7 +17,7 @@ def test_throughput_bench_small(capsys: object) -> None:
         "--num-requests",
         "6",
         "--mean-prompt",
-        "12",
+        "40",
         "--mean-output",
         "6",
         "--max-model-len",
@@ -30,6 +30,7 @@ def test_throughput_bench_small(capsys: object) -> None:
         "1",
         "--vocab-size",
         "300",
+        "--profile",
     ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[attr-defined]
@@ -49,3 +50,9 @@ def test_throughput_bench_small(capsys: object) -> None:
     for key in ("steps", "floor_s", "vs_floor", "max_ratio_vs_static", "max_ratio_vs_continuous"):
         assert floor[key] > 0, key
     assert floor["weight_bytes_read"] == floor["weight_bytes_per_step"] * floor["steps"]
+    # Every prompt is computed in full, as the peers (no prefix cache) compute it: the warm-up
+    # shares no block with the workload, and the profiled rerun starts from a reset cache.
+    assert out["prompt_tokens"] > 16 * out["num_requests"]  # full blocks a cache could revive
+    assert out["quire_prefix_hit_tokens"] == 0
+    profile = out["quire_profile"]
+    assert profile["prefix_hit_tokens"] == 0 and profile["steps"] == floor["steps"]

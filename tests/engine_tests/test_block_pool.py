@@ -82,6 +82,30 @@ def test_cache_first_writer_wins_and_disabled_cache() -> None:
     off.free([x])
 
 
+def test_reset_prefix_cache_only_while_nothing_is_held() -> None:
+    pool = BlockPool(3)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache_block(a, b"ha")
+    pool.cache_block(b, b"hb")
+    pool.free([b])
+    # a is held: nothing is forgotten, not even b's free cached block.
+    assert pool.reset_prefix_cache() is False
+    assert pool.lookup(b"hb") is b and a.block_hash == b"ha"
+    assert pool.stats() == PoolStats(total=3, used=1, cached_free=1, free=2)
+    pool.free([a])
+    order = pool.free_queue.block_ids()
+    assert pool.reset_prefix_cache() is True
+    assert pool.lookup(b"ha") is None and pool.lookup(b"hb") is None
+    assert a.block_hash is None and b.block_hash is None
+    assert pool.stats() == PoolStats(total=3, used=0, cached_free=0, free=3)
+    assert pool.free_queue.block_ids() == order
+    # The hashes are free to be published again.
+    c = pool.allocate()
+    pool.cache_block(c, b"ha")
+    assert pool.lookup(b"ha") is c
+    pool.free([c])
+
+
 def test_cache_requires_held_block() -> None:
     pool = BlockPool(1)
     with pytest.raises(ValueError, match="must be held"):

@@ -113,6 +113,21 @@ def test_bad_prompts_and_engine_keeps_running(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
+def test_reset_prefix_cache_makes_the_same_prompt_miss(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = [[(7 * i) % 300 + 1 for i in range(40)]]  # two full blocks of 16
+    kv = llm.engine.scheduler.kv
+    first = llm.generate(prompt, params)
+    hits = kv.prefix_hits
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert kv.prefix_hits == hits + 32
+    assert llm.reset_prefix_cache() is True
+    assert llm.kv_cache_stats().cached_free == 0
+    again = llm.generate(prompt, params)
+    assert kv.prefix_hits == hits + 32  # recomputed, not revived
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
 def test_unknown_engine_argument() -> None:
     with pytest.raises(ValueError, match="unknown engine arguments: blocksize"):
         LLM(blocksize=16)

@@ -46,7 +46,12 @@ from typing import TYPE_CHECKING, Any
 import httpx2
 
 from quire_engine.bench import servers
-from quire_engine.bench.workload import RequestLengths, random_tokens, sharegpt_like
+from quire_engine.bench.workload import (
+    RequestLengths,
+    random_tokens,
+    sharegpt_like,
+    warm_up_prompts,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -279,7 +284,8 @@ def _offline(
         SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=workload.ignore_eos)
         for r in workload.lengths
     ]
-    llm.generate(workload.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=2)] * 2)
+    warm = warm_up_prompts(workload.prompts, 2)
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=2)] * len(warm))
     before = roofline.Rates.for_model(llm.engine.runner.model)
     log = roofline.StepLog()
     with log.attach(llm.engine):
@@ -333,8 +339,9 @@ async def _bench(
         if workload is None:
             workload = _Workload.from_args(args, max_model_len)
         if warm_up:  # first-request costs (transformers builds its batching manager) excluded
-            warm = RequestLengths(prompt=len(workload.prompts[0]), output=4)
-            await _request(client, model, workload.prompts[0], warm, None, workload.ignore_eos)
+            prompt = warm_up_prompts(workload.prompts, 1)[0]  # no prefix shared with the run
+            warm = RequestLengths(prompt=len(prompt), output=4)
+            await _request(client, model, prompt, warm, None, workload.ignore_eos)
         rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         scraped = await _scrape(client)

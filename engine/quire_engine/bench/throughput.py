@@ -41,7 +41,7 @@ from transformers import (
 )
 
 from quire_engine.bench import roofline
-from quire_engine.bench.workload import RequestLengths, sharegpt_like
+from quire_engine.bench.workload import RequestLengths, sharegpt_like, warm_up_prompts
 from quire_engine.sampling_params import SamplingParams
 from quire_engine.tiny_model import build_tokenizer
 
@@ -196,9 +196,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         rates: dict[str, _Rate] = {}
         if "quire" in systems:
-            rates["quire"], profile, log = _quire(model, Path(tmp), prompts, lengths, budget, args)
-            if profile is not None:
-                result["quire_profile"] = profile
+            run = _quire(model, Path(tmp), prompts, lengths, budget, args)
+            rates["quire"], log = run.rate, run.log
+            result["quire_prefix_hit_tokens"] = run.prefix_hit_tokens
+            if run.profile is not None:
+                result["quire_profile"] = run.profile
         if "hf_static" in systems:
             rates["hf_static"], result["hf_static_waves"] = _hf_static(
                 model, prompts, lengths, budget
@@ -239,6 +241,18 @@ class _Rate:
     cpu_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class _QuireRun:
+    """Quire's timed run: its rate and steps, the prompt tokens it found in the prefix cache
+    (0 on this workload of distinct random prompts, the warm-up included: what a peer without
+    a prefix cache computes, Quire computes too) and the ``--profile`` run's split."""
+
+    rate: _Rate
+    log: roofline.StepLog
+    prefix_hit_tokens: int
+    profile: dict[str, Any] | None
+
+
 def _quire(
     model: PreTrainedModel,
     tmp: Path,
@@ -246,27 +260,36 @@ def _quire(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-) -> tuple[_Rate, dict[str, Any] | None, roofline.StepLog]:
+) -> _QuireRun:
     from quire_engine.bench.profile import StepProfile
 
     llm = quire_llm(model, tmp, budget, args)
+    kv = llm.engine.scheduler.kv
     params = request_params(lengths)
-    llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)  # warm-up
+    warm = warm_up_prompts(prompts, 4)
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4)] * len(warm))
+    hits = kv.prefix_hits
     log = roofline.StepLog()
     with log.attach(llm.engine):  # a few microseconds per step of ~10-100 ms
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    hits = kv.prefix_hits - hits
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(r.output for r in lengths):
         raise RuntimeError("quire produced the wrong number of tokens")
     profile = None
     if args.profile:
+        # The timed run left the workload's prefixes cached: without the reset this run would
+        # revive them and skip most of its prefill.
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("quire held KV blocks after its run")
         prof = StepProfile()
+        before = kv.prefix_hits
         with prof.attach(llm.engine):
             llm.generate(prompts, params)
-        profile = prof.report()
-    return _Rate(produced, elapsed, cpu), profile, log
+        profile = prof.report() | {"prefix_hit_tokens": kv.prefix_hits - before}
+    return _QuireRun(_Rate(produced, elapsed, cpu), log, hits, profile)
 
 
 def quire_llm(model: PreTrainedModel, tmp: Path, budget: int, args: argparse.Namespace) -> LLM:
@@ -308,7 +331,7 @@ def _hf_static(
                 wave.append(i)
                 continue
         waves.append([i])
-    _static_wave(model, [prompts[0]], 4)  # warm-up
+    _static_wave(model, warm_up_prompts(prompts, 1), 4)
     t0, c0 = time.perf_counter(), time.process_time()
     for wave in waves:
         _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave))
@@ -356,6 +379,11 @@ def _hf_continuous(
     with model.continuous_batching_context_manager(
         generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
     ) as manager:
+        # A warm-up request, as every system gets: first-call costs out of the timed run.
+        manager.add_request(warm_up_prompts(prompts, 1)[0], max_new_tokens=4, eos_token_id=-1)
+        while (res := manager.get_result(timeout=5)) is None or not res.is_finished():
+            if res is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped in its warm-up")
         t0, c0 = time.perf_counter(), time.process_time()
         for p, r in zip(prompts, lengths, strict=True):
             manager.add_request(p, max_new_tokens=r.output, eos_token_id=-1)
