@@ -138,8 +138,14 @@ def test_router_sends_few_fp32_rows_to_the_kernel_and_the_rest_to_torch(
         torch.nn.Linear(24, 40), torch.nn.Linear(40, 7, bias=False), torch.nn.Linear(7, 3)
     )
     model[2].double()  # float64 weights: the kernel cannot read them, so never routed
-    assert linear_cpu.install(model, kernel) == 2
-    assert linear_cpu.install(model, kernel) == 0, "installing twice routes nothing twice"
+    big: list[int] = []
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        big.append(x.numel() // x.shape[-1])
+        return F.linear(x, w, b)
+
+    assert linear_cpu.install(model, kernel, gemm) == 2
+    assert linear_cpu.install(model, kernel, gemm) == 0, "installing twice routes nothing twice"
     assert [linear_cpu.routed(m) for m in model] == [True, True, False]
     calls: list[int] = []
     real = kernel._fn
@@ -156,17 +162,38 @@ def test_router_sends_few_fp32_rows_to_the_kernel_and_the_rest_to_torch(
             got = first(few)
             assert got.shape == (2, 8, 40) and calls == [16]
             _close(got.reshape(16, 40), few.reshape(16, 24), first.weight, first.bias)
-            many = torch.randn(linear_cpu.MAX_ROWS + 1, 24)  # torch, bit for bit
+            many = torch.randn(linear_cpu.MAX_ROWS + 1, 24)  # the GEMM, bit for bit
             assert torch.equal(first(many), F.linear(many, first.weight, first.bias))
+            assert big == [linear_cpu.MAX_ROWS + 1]
             with pytest.raises(RuntimeError):  # float64 input: torch's own dtype error
                 first(torch.randn(3, 24, dtype=torch.float64))
             assert calls == [16]
         # Autograd keeps torch's path, so gradients still flow.
         x = torch.randn(3, 24, requires_grad=True)
         first(x).sum().backward()
-        assert x.grad is not None and calls == [16]
+        y = torch.randn(linear_cpu.MAX_ROWS + 1, 24, requires_grad=True)
+        first(y).sum().backward()
+        assert x.grad is not None and y.grad is not None
+        assert calls == [16] and big == [linear_cpu.MAX_ROWS + 1]
     finally:
         kernel._fn = real  # type: ignore[assignment]
+
+
+def test_the_gemm_above_the_few_row_range_matches_torch() -> None:
+    gemm = linear_cpu.gemm()
+    if torch.backends.mkldnn.is_available():  # the official wheels' case: oneDNN's linear
+        assert gemm is not F.linear
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+    for shape in ((17, 80), (3, 64, 80), (1, 300, 80)):  # prefill chunks arrive as [1, T, K]
+        x = torch.randn(shape, generator=gen)
+        for bias in (b, None):
+            with torch.inference_mode():
+                got = gemm(x, w, bias)
+            # Another summation order than MKL's: equal within float32 rounding of 80 terms.
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
 class _Scaled(torch.nn.Linear):

@@ -11,9 +11,11 @@ multiplies matrices. So:
 * ``ModelCost.of(model, ...)`` is what one token, row, context token and pair cost in bytes and
   FLOPs for that model (linear layers, LM head, K/V of every layer).
 * ``Rates.measure`` times this machine's single-thread read bandwidth (``torch.sum`` over a
-  buffer far larger than the caches) and fp32 GEMM rate (``F.linear`` at a prefill-sized
-  product of the model's largest linear), with torch's own kernels, best of a few runs; the
-  benches measure before and after the engine's run and keep the faster (``Rates.fastest``).
+  buffer far larger than the caches) and fp32 GEMM rate (at a prefill-sized product of the
+  model's largest linear, the faster of ``F.linear`` and the engine's own GEMM,
+  ``kernels.linear_cpu.gemm``: MKL runs at half an AVX-512 core's rate on AMD CPUs), with
+  torch's own kernels, best of a few runs; the benches measure before and after the engine's
+  run and keep the faster (``Rates.fastest``).
 * ``floor_s`` adds up, step by step, the larger of the step's memory time and its compute time at
   those rates, as if the two overlapped perfectly and nothing else (Python, dispatch, softmax,
   norms, sampling) took any time.
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from quire_engine.engine import LLMEngine
+from quire_engine.kernels import linear_cpu
 from quire_engine.model_runner import CacheShape
 from quire_engine.scheduler import SchedulerOutput
 
@@ -146,7 +149,10 @@ class Rates:
         m, n, k = gemm_shape
         gen = torch.Generator().manual_seed(0)
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-        gemm_s = _best_s(lambda: F.linear(x, w), repeats)
+        gemm = linear_cpu.gemm()
+        gemm_s = min(
+            _best_s(lambda: F.linear(x, w), repeats), _best_s(lambda: gemm(x, w, None), repeats)
+        )
         return cls(buf.numel() * 4 / read_s / 1e9, 2 * m * n * k / gemm_s / 1e9)
 
     @classmethod
