@@ -9,8 +9,11 @@ the flags after ``--``, default ``--preset 32m``), and every native decode step 
 builds of ``quire_decoder_decode`` in turn, on the same inputs, alternating which goes first:
 both face the same seconds of the machine. The builds must give the same bits (it checks every
 step's logits): then both write the same K/V to the same slots and the run is the one either
-build alone would make. A change that alters results, or the C entry point's signature, is
-refused: compare it with ``ab.py``.
+build alone would make. A change that alters results is refused unless ``--rtol`` allows it
+(a change of summation order, such as the lane count: every step's logits within rtol times
+their largest magnitude); then each step's K/V is the second build's, and the run is one that
+either build could make up to rounding, both builds still timed on the same inputs. A change
+of the C entry point's signature is refused: compare it with ``ab.py``.
 
 Each build is the library that version's ``kernels/native.py`` compiles (into the shared kernel
 cache, through a child process with that version on ``PYTHONPATH``); the engine around them is
@@ -84,8 +87,8 @@ class Paired:
     """Stands in for a ``DecoderStack``'s kernel: calls both builds, in alternating order, and
     records ``(sequences, base seconds, head seconds)`` per step."""
 
-    def __init__(self, base: Any, head: Any) -> None:
-        self.base, self.head = base, head
+    def __init__(self, base: Any, head: Any, rtol: float = 0.0) -> None:
+        self.base, self.head, self.rtol = base, head, rtol
         self.steps: list[tuple[int, float, float]] = []
         self._head_first = True
 
@@ -104,8 +107,12 @@ class Paired:
             took[id(kernel)] = time.perf_counter() - start
             if first is None:
                 first = out.clone()
-        if first is None or not torch.equal(first, out):
-            raise SystemExit("the two builds gave different logits: compare them with ab.py")
+        if first is None or not (
+            torch.equal(first, out) or (first - out).abs().max() <= self.rtol * first.abs().max()
+        ):
+            raise SystemExit(
+                "the two builds gave different logits (beyond --rtol): compare them with ab.py"
+            )
         self.steps.append((n, took[id(self.base)], took[id(self.head)]))
 
 
@@ -145,7 +152,7 @@ def run(args: argparse.Namespace, base_lib: Path, head_lib: Path) -> dict[str, A
     def load(path: Path) -> Any:
         return native.DecoderDecode(native.Library(ctypes.CDLL(str(path)), path, ()))
 
-    paired = Paired(load(base_lib), load(head_lib))
+    paired = Paired(load(base_lib), load(head_lib), args.rtol)
     with tempfile.TemporaryDirectory() as tmp:
         llm = throughput.quire_llm(model, Path(tmp), bench.budget_seqs * bench.max_model_len, bench)
         stack = llm.engine.runner.decoder
@@ -165,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_revisions(parser)
     parser.add_argument("--repeats", type=int, default=1, help="runs of the workload")
     parser.add_argument(
+        "--rtol",
+        type=float,
+        default=0.0,
+        help="logits may differ by this times their largest magnitude (default 0: same bits)",
+    )
+    parser.add_argument(
         "workload",
         nargs=argparse.REMAINDER,
         help="-- then `bench throughput` flags for the workload (default: --preset 32m)",
@@ -174,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         "32m",
     ]
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+    if args.repeats < 1 or not args.rtol >= 0:
+        parser.error("--repeats must be >= 1 and --rtol >= 0")
     head_root = args.head.resolve()
     with tempfile.TemporaryDirectory(prefix="quire-native-ab-") as tmp:
         base_root = ab.export(args.base, Path(tmp))

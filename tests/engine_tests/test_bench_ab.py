@@ -109,6 +109,13 @@ def test_native_ab_times_both_builds_and_refuses_different_results() -> None:
     differ = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(2.0))
     with pytest.raises(SystemExit, match="different logits"):
         differ(*args)
+    # --rtol: rounding apart is accepted (a summation order change), more is not.
+    close = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.0 + 2**-20), rtol=1e-5)
+    close(*args)
+    close(*args)
+    assert len(close.steps) == 2
+    with pytest.raises(SystemExit, match="beyond --rtol"):
+        native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.001), rtol=1e-5)(*args)
 
 
 def test_native_ab_refuses_builds_with_another_entry_point(tmp_path: Path) -> None:

@@ -17,7 +17,10 @@
  * pieces, to 6-7: 0.68-0.76x the time at 16-48 sequences of 250-400 tokens, 0.72-0.86x at one
  * of 800, the same output values (a C harness over 9 layers' pools with shuffled tables, best
  * of 15 alternating runs). With the K/V in cache it is slower (1.3-1.4x: pass 2's output rows
- * go through L1 per token), which a decode step's K/V never is.
+ * go through L1 per token), which a decode step's K/V never is. With AVX-512 (16 lanes, half the
+ * instructions per row) the engine's native decode steps of 17-64 sequences took 0.93-0.96x the
+ * time they took with this kernel at 8 lanes, the same at one (the matmuls at 16 lanes in both;
+ * benchmarks/native_ab.py --rtol, Zen 5).
  *
  * Layouts (all fp32 except the index arrays):
  *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
@@ -186,7 +189,7 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
                 prefetch_floats(sp.next + j * token_stride, token_stride);
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float pj = scores[hq * n + sp.off + j];
-                const vec pv = {pj, pj, pj, pj, pj, pj, pj, pj};
+                const vec pv = vec_splat(pj);
                 const float *vg = vt + (hq / group) * head_dim;
                 float *o = out + hq * head_dim;
                 int64_t d = 0;

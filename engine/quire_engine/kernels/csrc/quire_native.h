@@ -60,11 +60,30 @@ static inline float exp_nonpositive(float x)
     return x != x ? x : (x < -87.3f ? 0.0f : value);
 }
 
-/* Vectors of LANES floats for the kernels' inner loops (GCC/clang vector extensions: one AVX
- * register on x86, two NEON registers on Arm). */
+/* Vectors of LANES floats for the kernels' inner loops (GCC/clang vector extensions): one
+ * AVX-512 register where the CPU has them (16 lanes), else one AVX register or two NEON
+ * registers (8 lanes). Why 16 where it can: a Zen 5 core issues two 512-bit multiply-adds per
+ * cycle, twice the floats of two 256-bit ones (MKL's AVX2 kernels on AMD reach 83-88 GFLOP/s
+ * there, oneDNN's AVX-512 ones 185-198), and every kernel here issues half the instructions for
+ * the same floats. The lane count sets the summation order of every dot product (lane l sums
+ * elements l, l + LANES, ...), so results differ by rounding between an AVX-512 and an AVX2
+ * build; within one build the order depends on nothing else (batch invariance holds). A source
+ * file defining QUIRE_LANES_8 before including this header gets 8 lanes anyway (for A/B builds:
+ * each kernel's order is its own, so its files may differ in this). */
+#if defined(__AVX512F__) && !defined(QUIRE_LANES_8)
+#define LANES 16
+#else
 #define LANES 8
+#endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+
+/* Every lane v. */
+static inline vec vec_splat(float v)
+{
+    return (vec){0} + v;
+}
 
 static inline vec vec_load(const float *p)
 {
@@ -78,23 +97,61 @@ static inline vec vec_load(const float *p)
  * one loop and not in another (in skinny_linear.c, that would break the batch invariance). */
 static inline vec vec_madd(vec acc, vec a, vec b)
 {
-#if defined(__AVX__) && defined(__FMA__)
+#if LANES == 16
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__AVX__) && defined(__FMA__)
     return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
 #else
     return acc + a * b;
 #endif
 }
 
-static inline float lanes_sum(vec a)
+/* acc + a * b on 8 lanes, as vec_madd (an AVX register also in an AVX-512 build). */
+static inline vec8 vec8_madd(vec8 acc, vec8 a, vec8 b)
+{
+#if defined(__AVX__) && defined(__FMA__)
+    return (vec8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline vec8 vec8_load(const float *p)
+{
+    vec8 v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* With 16 lanes, the first step of every lane sum: lane i plus lane i + 8, as one vector of 8.
+ * A kernel may keep a 16-lane accumulator as two 8-lane halves (lanes 0-7 and 8-15: the same
+ * multiply-adds on the same lanes, so the same bits) and add them itself: `lo + hi`. */
+static inline vec8 vec_fold(vec a)
+{
+#if LANES == 16
+    const __m512 z = (__m512)a;
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
+    return (vec8)_mm256_add_ps(_mm512_castps512_ps256(z), hi);
+#else
+    return a;
+#endif
+}
+
+static inline float vec8_sum(vec8 a)
 {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-/* The lane sums of `count` accumulators into s[0 .. count), each in lanes_sum's order: with
- * AVX four at a time, the same additions in vector form (the low and high halves lane by lane,
- * then two horizontal adds of adjacent pairs), so the same bits as lanes_sum one by one. */
-static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, const int count,
-                                                             float *s)
+static inline float lanes_sum(vec v)
+{
+    return vec8_sum(vec_fold(v));
+}
+
+/* vec8_sum of `count` vectors into s[0 .. count): with AVX four at a time, the same additions
+ * in vector form (the low and high halves lane by lane, then two horizontal adds of adjacent
+ * pairs), so the same bits as vec8_sum one by one. */
+static inline __attribute__((always_inline)) void vec8_sums(const vec8 *a, const int count,
+                                                            float *s)
 {
     int c = 0;
 #if defined(__AVX__)
@@ -102,14 +159,26 @@ static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, con
         __m128 h[4];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-            const __m256 a = (__m256)acc[c + i];
-            h[i] = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            const __m256 v = (__m256)a[c + i];
+            h[i] = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         }
         _mm_storeu_ps(s + c, _mm_hadd_ps(_mm_hadd_ps(h[0], h[1]), _mm_hadd_ps(h[2], h[3])));
     }
 #endif
     for (; c < count; c++)
-        s[c] = lanes_sum(acc[c]);
+        s[c] = vec8_sum(a[c]);
+}
+
+/* The lane sums of `count` (at most 32) accumulators into s[0 .. count), each in lanes_sum's
+ * order. */
+static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, const int count,
+                                                             float *s)
+{
+    vec8 folded[32];
+#pragma GCC unroll 32
+    for (int c = 0; c < count; c++)
+        folded[c] = vec_fold(acc[c]);
+    vec8_sums(folded, count, s);
 }
 
 /* Asks for the 64-byte line at p to be brought into the second-level cache, ahead of its use
@@ -136,7 +205,9 @@ static inline void prefetch_l2(const void *p)
 /* Keeps v in a register. Without it GCC folds the load of an x vector into every multiply-add
  * that uses it, loading it NW times: 14 loads for the 12 multiply-adds of a 6 x 2 tile, and the
  * load ports, not the multiply-adds, bound the tile. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && LANES == 16
+#define IN_REGISTER(v) __asm__("" : "+v"(v)) /* any of the 32 vector registers */
+#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define IN_REGISTER(v) ((void)0)

@@ -42,6 +42,13 @@
  * memory, and every group prefetches its share of the next block. Same harness, best of 9-15,
  * over several runs: 0.73-0.94x the time at 32-64 rows, 0.92-0.99x at 24 (0.88-1.47x at 8-16
  * rows, hence only above 16).
+ * With AVX-512 (LANES 16, quire_native.h) the tiles are 4 rows of W wide (ROWS_W: 24 of the 32
+ * registers at 6 rows of x), and 1-6 rows of x, where the call streams W, run tile_halves:
+ * each 16-lane accumulator as two 8-lane halves in AVX registers (the same bits). On a Zen 5
+ * core against the AVX2 build (8 lanes, 2-row tiles), in the engine's decode steps of the
+ * offline 32m workload (benchmarks/native_ab.py --rtol, matmuls and attention together): 1.00x
+ * the time at one sequence, 0.92x at 2-4, 0.86x at 5-16, 0.73x at 17-32, 0.71x at 33-64. With
+ * 512-bit loads at 2-5 rows the time was 1.1-1.3x, whatever the tile width or prefetch distance.
  * Order of summation: y[m, n] is lane l summing k = l, l + LANES, ... below K - K % LANES,
  * then the lanes added pairwise, then the scalar tail, then the bias: the same order whatever
  * M, the tile a row lands in, the order of the loops (blocked or not: a chunk's partial sums
@@ -58,8 +65,15 @@
 
 #include "quire_native.h"
 
-#define ROWS_W 2
 #define ROWS_X 6
+#if LANES == 16
+/* AVX-512's 32 registers hold twice the accumulators: tiles twice as wide in W. */
+#define ROWS_W 4
+#define WIDE_UP_TO 6 /* the rows of x with a tile of their own (tile_halves) */
+#else
+#define ROWS_W 2
+#define WIDE_UP_TO 4 /* the rows of x with a tile wide in W */
+#endif
 #define MAX_W 8 /* the widest tile in W (one row of x) */
 /* Above BLOCKED_FROM rows of x, the blocked order (see the header): W in blocks of about
  * BLOCK_BYTES and at most BLOCK_MAX rows (one block sits in L2 while the next streams in), K in
@@ -89,11 +103,11 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
     vec acc[ROWS_X * MAX_W]; /* acc[i * NW + j]: x row i, W row j */
     const int64_t k_vec = K - K % LANES;
     if (partial != NULL && k0 > 0) {
-#pragma GCC unroll 16
+#pragma GCC unroll 32
         for (int c = 0; c < MX * NW; c++)
             acc[c] = partial[c];
     } else {
-#pragma GCC unroll 16
+#pragma GCC unroll 32
         for (int c = 0; c < MX * NW; c++)
             acc[c] = (vec){0};
     }
@@ -110,11 +124,11 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
             /* One row of x: each W vector is used once, straight from memory (an operand of the
              * multiply-add), so NW accumulators and x fit the 16 registers with none spilled. */
             const vec xv = vec_load(x + k);
-#pragma GCC unroll 8
+#pragma GCC unroll 32
             for (int j = 0; j < NW; j++)
                 acc[j] = vec_madd(acc[j], xv, vec_load(w + j * K + k));
             if (k == prefetch_at) {
-#pragma GCC unroll 8
+#pragma GCC unroll 32
                 for (int j = 0; j < NW; j++)
                     prefetch_l2(ahead + j * K + k);
                 prefetch_at += prefetch_step;
@@ -122,26 +136,26 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
             continue;
         }
         vec wv[MAX_W];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
         for (int j = 0; j < NW; j++)
             wv[j] = vec_load(w + j * K + k);
         if (k == prefetch_at) {
-#pragma GCC unroll 8
+#pragma GCC unroll 32
             for (int j = 0; j < NW; j++)
                 prefetch_l2(ahead + j * K + k);
             prefetch_at += prefetch_step;
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 32
         for (int i = 0; i < MX; i++) {
             vec xv = vec_load(x + i * x_stride + k);
             IN_REGISTER(xv);
-#pragma GCC unroll 8
+#pragma GCC unroll 32
             for (int j = 0; j < NW; j++)
                 acc[i * NW + j] = vec_madd(acc[i * NW + j], xv, wv[j]);
         }
     }
     if (partial != NULL && k1 < k_vec) {
-#pragma GCC unroll 16
+#pragma GCC unroll 32
         for (int c = 0; c < MX * NW; c++)
             partial[c] = acc[c];
         return;
@@ -156,6 +170,80 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
             y[i * y_stride + j] = bias != NULL ? t + bias[j] : t;
         }
 }
+
+#if LANES == 16
+/* tile() for the tiles wide in W at 1-4 rows of x, with each 16-lane accumulator kept as two
+ * 8-lane halves (vec_fold: the same multiply-adds on the same lanes, so the same bits as tile()
+ * and batch invariance across M): AVX registers, of which AVX-512 also has 32. Why: at 1-4 rows
+ * the call streams W and barely computes, and with 512-bit loads the tiles at 2-4 rows took
+ * 1.1-1.3x the time of 256-bit ones (the same tiles; their 16-lane versions, wider or not, and
+ * other prefetch distances were no better), in the engine's decode steps 1.09x at one sequence
+ * and 1.11x at 2-4 (benchmarks/native_ab.py). Whole K (no chunks); `ahead` as in tile(). */
+static inline __attribute__((always_inline)) void
+tile_halves(const float *x, int64_t x_stride, const int MX, const float *w, const int NW,
+            int64_t K, const float *bias, float *y, int64_t y_stride, const float *ahead)
+{
+    vec8 lo[ROWS_X * 8], hi[ROWS_X * 8]; /* [i * NW + j]: x row i, W row j; lanes 0-7, 8-15 */
+    const int64_t k_vec = K - K % LANES;
+#pragma GCC unroll 32
+    for (int c = 0; c < MX * NW; c++)
+        lo[c] = hi[c] = (vec8){0};
+    for (int64_t k = 0; k < k_vec; k += LANES) {
+        if (MX == 1) {
+            const vec8 x0 = vec8_load(x + k), x1 = vec8_load(x + k + 8);
+#pragma GCC unroll 16
+            for (int j = 0; j < NW; j++) {
+                lo[j] = vec8_madd(lo[j], x0, vec8_load(w + j * K + k));
+                hi[j] = vec8_madd(hi[j], x1, vec8_load(w + j * K + k + 8));
+            }
+        } else {
+            vec8 w0[8], w1[8];
+#pragma GCC unroll 16
+            for (int j = 0; j < NW; j++) {
+                w0[j] = vec8_load(w + j * K + k);
+                w1[j] = vec8_load(w + j * K + k + 8);
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < MX; i++) {
+                vec8 x0 = vec8_load(x + i * x_stride + k), x1 = vec8_load(x + i * x_stride + k + 8);
+                IN_REGISTER(x0);
+                IN_REGISTER(x1);
+#pragma GCC unroll 16
+                for (int j = 0; j < NW; j++) {
+                    lo[i * NW + j] = vec8_madd(lo[i * NW + j], x0, w0[j]);
+                    hi[i * NW + j] = vec8_madd(hi[i * NW + j], x1, w1[j]);
+                }
+            }
+        }
+        if (ahead != NULL) {
+#pragma GCC unroll 16
+            for (int j = 0; j < NW; j++)
+                prefetch_l2(ahead + j * K + k);
+        }
+    }
+    float s[ROWS_X * 8];
+#pragma GCC unroll 32
+    for (int c = 0; c < MX * NW; c++)
+        lo[c] += hi[c]; /* vec_fold's addition */
+    vec8_sums(lo, MX * NW, s);
+    for (int i = 0; i < MX; i++)
+        for (int j = 0; j < NW; j++) {
+            float t = s[i * NW + j];
+            for (int64_t k = k_vec; k < K; k++)
+                t += x[i * x_stride + k] * w[j * K + k];
+            y[i * y_stride + j] = bias != NULL ? t + bias[j] : t;
+        }
+}
+
+#define WIDE_FN(MX, NW)                                                                            \
+    static void wide_##MX##_##NW(const float *x, int64_t xs, const float *w, int64_t K,           \
+                                 int64_t k0, int64_t k1, vec *p, const float *b, float *y,         \
+                                 int64_t ys, const float *ahead, int64_t g, int64_t G)             \
+    {                                                                                              \
+        (void)k0, (void)k1, (void)p, (void)g, (void)G;                                             \
+        tile_halves(x, xs, MX, w, NW, K, b, y, ys, ahead);                                         \
+    }
+#endif
 
 /* The tile functions, one per (rows of x, rows of W): constant trip counts for the compiler. */
 #define TILE_FN(MX, NW)                                                                            \
@@ -177,23 +265,53 @@ TILE_FN(3, 2)
 TILE_FN(4, 2)
 TILE_FN(5, 2)
 TILE_FN(6, 2)
+#if ROWS_W == 4
+TILE_FN(1, 3)
+TILE_FN(2, 3)
+TILE_FN(3, 3)
+TILE_FN(4, 3)
+TILE_FN(5, 3)
+TILE_FN(6, 3)
+TILE_FN(1, 4)
+TILE_FN(2, 4)
+TILE_FN(3, 4)
+TILE_FN(4, 4)
+TILE_FN(5, 4)
+TILE_FN(6, 4)
+WIDE_FN(1, 8)
+WIDE_FN(2, 4)
+WIDE_FN(3, 4)
+WIDE_FN(4, 3)
+WIDE_FN(5, 2)
+WIDE_FN(6, 2)
+#else
 TILE_FN(1, 8)
 TILE_FN(2, 4)
 TILE_FN(3, 4)
 TILE_FN(4, 3)
+#endif
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, int64_t, vec *,
                         const float *, float *, int64_t, const float *, int64_t, int64_t);
 static const tile_fn TILES[ROWS_W][ROWS_X] = {
     {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2},
+#if ROWS_W == 4
+    {tile_1_3, tile_2_3, tile_3_3, tile_4_3, tile_5_3, tile_6_3},
+    {tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4},
+#endif
 };
 
 /* The tile wide in W for M = 1..4 rows of x (see the header); beyond, ROWS_W-row tiles. */
 static const struct {
     int64_t rows;
     tile_fn fn;
-} WIDE[5] = {{0, NULL}, {8, tile_1_8}, {4, tile_2_4}, {4, tile_3_4}, {3, tile_4_3}};
+#if ROWS_W == 4
+} WIDE[WIDE_UP_TO + 1] = {{0, NULL},     {8, wide_1_8}, {4, wide_2_4}, {4, wide_3_4},
+                          {3, wide_4_3}, {2, wide_5_2}, {2, wide_6_2}};
+#else
+} WIDE[WIDE_UP_TO + 1] = {{0, NULL}, {8, tile_1_8}, {4, tile_2_4}, {4, tile_3_4}, {3, tile_4_3}};
+#endif
 
 /* Row groups: M rows of x in `groups` = ceil(M / ROWS_X) groups whose sizes differ by at most
  * one (7 rows: 4 + 3, not 6 + 1): a group of one or two rows keeps only 2-4 accumulators busy
@@ -255,7 +373,7 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
     }
 
     /* Tiles of `wide` rows of W, then the N % wide rows left in tiles of ROWS_W (or one). */
-    const tile_fn wide_fn = M <= 4 ? WIDE[M].fn : NULL;
+    const tile_fn wide_fn = M <= WIDE_UP_TO ? WIDE[M].fn : NULL;
     const int64_t wide = wide_fn != NULL ? WIDE[M].rows : ROWS_W;
     const int64_t num_wide = N / wide, rest = N - num_wide * wide;
     const int64_t num_tiles = num_wide + (rest + ROWS_W - 1) / ROWS_W;
