@@ -84,6 +84,23 @@
 #define BLOCK_MAX 64
 #define CHUNK 512
 
+/* A tile's last step: s[i * NW + j], the lane sums of x row i against W row j, plus the scalar
+ * tail k >= K - K % LANES, plus the bias, into y. */
+static inline __attribute__((always_inline)) void finish(const float *s, const float *x,
+                                                         int64_t x_stride, const int MX,
+                                                         const float *w, const int NW, int64_t K,
+                                                         const float *bias, float *y,
+                                                         int64_t y_stride)
+{
+    for (int i = 0; i < MX; i++)
+        for (int j = 0; j < NW; j++) {
+            float t = s[i * NW + j];
+            for (int64_t k = K - K % LANES; k < K; k++)
+                t += x[i * x_stride + k] * w[j * K + k];
+            y[i * y_stride + j] = bias != NULL ? t + bias[j] : t;
+        }
+}
+
 /* One tile: rows x[0 .. MX), W rows w[0 .. NW), both compile-time counts after inlining, so
  * the accumulators live in registers, over the vector part [k0, k1) of K. With `partial` NULL
  * the tile is the whole vector part (k0 = 0, k1 = K - K % LANES); otherwise it is one chunk of
@@ -162,20 +179,14 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
     }
     float s[ROWS_X * MAX_W];
     lanes_sums(acc, MX * NW, s);
-    for (int i = 0; i < MX; i++)
-        for (int j = 0; j < NW; j++) {
-            float t = s[i * NW + j];
-            for (int64_t k = k_vec; k < K; k++)
-                t += x[i * x_stride + k] * w[j * K + k];
-            y[i * y_stride + j] = bias != NULL ? t + bias[j] : t;
-        }
+    finish(s, x, x_stride, MX, w, NW, K, bias, y, y_stride);
 }
 
 #if LANES == 16
-/* tile() for the tiles wide in W at 1-4 rows of x, with each 16-lane accumulator kept as two
+/* tile() for the one-group tiles at 1-6 rows of x, with each 16-lane accumulator kept as two
  * 8-lane halves (vec_fold: the same multiply-adds on the same lanes, so the same bits as tile()
- * and batch invariance across M): AVX registers, of which AVX-512 also has 32. Why: at 1-4 rows
- * the call streams W and barely computes, and with 512-bit loads the tiles at 2-4 rows took
+ * and batch invariance across M): AVX registers, of which AVX-512 also has 32. Why: at 1-6 rows
+ * the call streams W and barely computes, and with 512-bit loads the tiles at 2-5 rows took
  * 1.1-1.3x the time of 256-bit ones (the same tiles; their 16-lane versions, wider or not, and
  * other prefetch distances were no better), in the engine's decode steps 1.09x at one sequence
  * and 1.11x at 2-4 (benchmarks/native_ab.py). Whole K (no chunks); `ahead` as in tile(). */
@@ -226,13 +237,7 @@ tile_halves(const float *x, int64_t x_stride, const int MX, const float *w, cons
     for (int c = 0; c < MX * NW; c++)
         lo[c] += hi[c]; /* vec_fold's addition */
     vec8_sums(lo, MX * NW, s);
-    for (int i = 0; i < MX; i++)
-        for (int j = 0; j < NW; j++) {
-            float t = s[i * NW + j];
-            for (int64_t k = k_vec; k < K; k++)
-                t += x[i * x_stride + k] * w[j * K + k];
-            y[i * y_stride + j] = bias != NULL ? t + bias[j] : t;
-        }
+    finish(s, x, x_stride, MX, w, NW, K, bias, y, y_stride);
 }
 
 #define WIDE_FN(MX, NW)                                                                            \
@@ -302,7 +307,8 @@ static const tile_fn TILES[ROWS_W][ROWS_X] = {
 #endif
 };
 
-/* The tile wide in W for M = 1..4 rows of x (see the header); beyond, ROWS_W-row tiles. */
+/* The tile of its own for M = 1 .. WIDE_UP_TO rows of x (see the header; wide in W at 1-4);
+ * beyond, ROWS_W-row tiles. */
 static const struct {
     int64_t rows;
     tile_fn fn;
