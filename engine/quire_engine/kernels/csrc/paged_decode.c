@@ -20,7 +20,12 @@
  * go through L1 per token), which a decode step's K/V never is. With AVX-512 (16 lanes, half the
  * instructions per row) the engine's native decode steps of 17-64 sequences took 0.93-0.96x the
  * time they took with this kernel at 8 lanes, the same at one (the matmuls at 16 lanes in both;
- * benchmarks/native_ab.py --rtol, Zen 5).
+ * benchmarks/native_ab.py --rtol, Zen 5). One pass with an online softmax (decode_one) instead
+ * of all the K and then all the V, and pass 2's output rows in registers over a block: 0.73-0.87x
+ * the kernel's time in a harness (9 layers' pools, 1-48 sequences of 300-800 tokens, shuffled
+ * blocks), 0.95-0.99x the native decode steps' time per class of step size (0.97x overall).
+ * With the K/V in cache the kernel reads ~15 GB/s, about what it reads out of cache: its
+ * arithmetic, not the memory, bounds it now.
  *
  * Layouts (all fp32 except the index arrays):
  *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
@@ -111,99 +116,139 @@ static inline __attribute__((always_inline)) void head_dots(const float *q, int6
             dot[t] += q[t * q_head + d] * kh[t][d];
 }
 
+/* o_h[d] += p_h[j] * vg[j * token_stride + d] for j = lo .. hi - 1 in order, for `nh` (1 or 2)
+ * query heads h sharing the V rows vg: head h's output row at o + h * head_dim, its weights at
+ * p + h * p_head. Four vectors of each row are held in registers over the tokens (a load and a
+ * store of the row per token made pass 2 a chain through memory). */
+static inline void accumulate_v(float *o, const float *p, const float *vg, int64_t token_stride,
+                                int64_t lo, int64_t hi, int64_t head_dim, int64_t p_head,
+                                const int nh)
+{
+    const int64_t d_vec = head_dim - head_dim % LANES;
+    int64_t d = 0;
+    for (; d + 4 * LANES <= d_vec; d += 4 * LANES) {
+        vec acc[2][4];
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < 4; c++)
+                acc[h][c] = vec_load(o + h * head_dim + d + c * LANES);
+        for (int64_t j = lo; j < hi; j++) {
+            const float *vr = vg + j * token_stride + d;
+            const vec v0 = vec_load(vr), v1 = vec_load(vr + LANES);
+            const vec v2 = vec_load(vr + 2 * LANES), v3 = vec_load(vr + 3 * LANES);
+            for (int h = 0; h < nh; h++) {
+                const vec pv = vec_splat(p[h * p_head + j]);
+                acc[h][0] = vec_madd(acc[h][0], pv, v0);
+                acc[h][1] = vec_madd(acc[h][1], pv, v1);
+                acc[h][2] = vec_madd(acc[h][2], pv, v2);
+                acc[h][3] = vec_madd(acc[h][3], pv, v3);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            memcpy(o + h * head_dim + d, acc[h], sizeof acc[h]);
+    }
+    for (int h = 0; h < nh; h++) {
+        float *oh = o + h * head_dim;
+        const float *ph = p + h * p_head;
+        for (int64_t e = d; e < d_vec; e += LANES) {
+            vec acc = vec_load(oh + e);
+            for (int64_t j = lo; j < hi; j++)
+                acc = vec_madd(acc, vec_splat(ph[j]), vec_load(vg + j * token_stride + e));
+            memcpy(oh + e, &acc, sizeof acc);
+        }
+        for (int64_t e = d_vec; e < head_dim; e++)
+            for (int64_t j = lo; j < hi; j++)
+                oh[e] += ph[j] * vg[j * token_stride + e];
+    }
+}
+
+/* One sequence in one pass over its blocks (online softmax, as flash-decoding does): for each
+ * block, the scores of its visible tokens for every query head (K rows read token by token,
+ * every query head against its KV head's part of the row), then each head's running maximum
+ * m and sum l and its output row o (heads x D floats, in L1) rescaled by exp(m_old - m_new) when
+ * the block raises the maximum, then o_h += exp(s - m) v_t for the block's V rows in the same
+ * order; at the end o_h / l_h. While the K rows of a block are read, the same rows of the
+ * block's V and of the next block's K are prefetched, so both streams are in flight at once: a
+ * pass over all K and then one over all V read randomly placed 16 KB blocks one stream at a
+ * time (a read-only harness of the two orders on a Zen 5 core: 14-18 against 16-24 GB/s).
+ * `scores`: heads x block_size floats of scratch; `m`, `l`: heads floats each. */
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
                        const int32_t *table, int64_t len, int64_t first, int64_t block_size,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                       float softcap, float *out, float *scores, float *row_max, float *row_sum)
+                       float softcap, float *out, float *scores, float *m, float *l)
 {
     const int64_t token_stride = kv_heads * head_dim; /* floats between two tokens of a block */
-    const int64_t n = len - first;                     /* visible positions first .. len - 1 */
     const int64_t group = heads / kv_heads;            /* query heads per KV head */
     /* With a soft-cap the scores are c * tanh(scale * q.k / c) (transformers' order). */
     const float pre = softcap > 0.0f ? scale / softcap : scale;
-
-    /* Pass 1: scores[hq][t - first] = pre * q_hq . k_t, block by block. A block holds every KV
-     * head of its tokens contiguously ([block_size, kv_heads, D]), and it is read in that order,
-     * token by token, every query head against its KV head's part of the token's row: the reads
-     * run straight through the block, as the hardware prefetcher follows them. (KV head by KV
-     * head over groups of tokens, as before, read each row in four strided pieces: 1.3-1.5x
-     * this pass's time out of cache, where decode attention always runs.) Blocks wholly before
-     * `first` are never touched (a windowed model may have released them). While a token's row
-     * is read, the same row of the sequence's next block is prefetched (hardware prefetchers
-     * stop at page boundaries; the next block is anywhere in the pool). */
+    memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t hq = 0; hq < heads; hq++) {
+        m[hq] = -INFINITY;
+        l[hq] = 0.0f;
+    }
+    /* Blocks wholly before `first` are never touched (a windowed model may have released them). */
     for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const struct span sp = block_span(k, table, b, first, len, block_size, token_stride);
-        const int64_t hi = sp.hi, off = sp.off;
-        for (int64_t j = sp.lo; j < hi; j++) {
-            const float *kt = sp.block + j * token_stride;
-            if (sp.next != NULL)
-                prefetch_floats(sp.next + j * token_stride, token_stride);
+        const struct span ks = block_span(k, table, b, first, len, block_size, token_stride);
+        const struct span vs = block_span(v, table, b, first, len, block_size, token_stride);
+        const int64_t lo = ks.lo, hi = ks.hi, count = hi - lo;
+        /* scores[hq * block_size + j - lo] = pre * q_hq . k_j */
+        for (int64_t j = lo; j < hi; j++) {
+            const float *kt = ks.block + j * token_stride;
+            prefetch_floats(vs.block + j * token_stride, token_stride);
+            if (ks.next != NULL)
+                prefetch_floats(ks.next + j * token_stride, token_stride);
             for (int64_t h0 = 0; h0 < heads; h0 += DOTS) {
                 float dot[DOTS];
                 const float *qh = q + h0 * q_head;
-                const int64_t count = heads - h0 < DOTS ? heads - h0 : DOTS;
-                if (count == DOTS)
+                const int64_t n = heads - h0 < DOTS ? heads - h0 : DOTS;
+                if (n == DOTS)
                     head_dots(qh, q_head, kt, head_dim, h0, group, DOTS, dot);
                 else
-                    for (int64_t t = 0; t < count; t++)
+                    for (int64_t t = 0; t < n; t++)
                         head_dots(qh + t * q_head, q_head, kt, head_dim, h0 + t, group, 1,
                                   dot + t);
+                for (int64_t t = 0; t < n; t++)
+                    scores[(h0 + t) * block_size + j - lo] = dot[t] * pre;
+            }
+        }
+        /* Per head: the new maximum, the old sum and output rescaled to it (exp(-inf) = 0 on
+         * the first block, whose output is still zero), the block's numerators and their sum. */
+        for (int64_t hq = 0; hq < heads; hq++) {
+            float *p = scores + hq * block_size;
+            if (softcap > 0.0f)
                 for (int64_t t = 0; t < count; t++)
-                    scores[(h0 + t) * n + off + j] = dot[t] * pre;
-            }
-        }
-    }
-    if (softcap > 0.0f)
-        for (int64_t i = 0; i < heads * n; i++)
-            scores[i] = softcap * tanhf(scores[i]);
-    for (int64_t hq = 0; hq < heads; hq++) {
-        const float *p = scores + hq * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; t++)
-            m = p[t] > m ? p[t] : m;
-        row_max[hq] = m;
-    }
-    /* Softmax numerators in place; the division waits for the end (one per output element). */
-    for (int64_t hq = 0; hq < heads; hq++) {
-        float *p = scores + hq * n;
-        const float m = row_max[hq];
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; t++) {
-            p[t] = exp_nonpositive(p[t] - m);
-            sum += p[t];
-        }
-        row_sum[hq] = sum;
-    }
-    /* Pass 2: out_hq = sum_t p[hq][t] v_t / sum_t p[hq][t], the same block order and the same
-     * token-by-token order of the reads as pass 1: each output element is a chain of fused
-     * multiply-adds over the tokens in order (the output rows, heads x D floats, stay in L1),
-     * and the next block's row is prefetched the same way. */
-    const int64_t d_vec = head_dim - head_dim % LANES;
-    memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const struct span sp = block_span(v, table, b, first, len, block_size, token_stride);
-        for (int64_t j = sp.lo; j < sp.hi; j++) {
-            const float *vt = sp.block + j * token_stride;
-            if (sp.next != NULL)
-                prefetch_floats(sp.next + j * token_stride, token_stride);
-            for (int64_t hq = 0; hq < heads; hq++) {
-                const float pj = scores[hq * n + sp.off + j];
-                const vec pv = vec_splat(pj);
-                const float *vg = vt + (hq / group) * head_dim;
+                    p[t] = softcap * tanhf(p[t]);
+            float mx = m[hq];
+            for (int64_t t = 0; t < count; t++)
+                mx = p[t] > mx ? p[t] : mx;
+            if (mx > m[hq]) {
+                const float alpha = exp_nonpositive(m[hq] - mx);
                 float *o = out + hq * head_dim;
-                int64_t d = 0;
-                for (; d < d_vec; d += LANES) {
-                    const vec acc = vec_madd(vec_load(o + d), pv, vec_load(vg + d));
-                    memcpy(o + d, &acc, sizeof acc);
-                }
-                for (; d < head_dim; d++)
-                    o[d] += pj * vg[d];
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] *= alpha;
+                l[hq] *= alpha;
+                m[hq] = mx;
             }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < count; t++) {
+                p[t] = exp_nonpositive(p[t] - mx);
+                sum += p[t];
+            }
+            l[hq] += sum;
+        }
+        /* o_hq += p[hq][j] v_j over the block's tokens in order: each output element a chain
+         * of fused multiply-adds. Query heads two at a time where they share a KV head (their
+         * V rows are the same loads), their output rows in registers across the block. */
+        for (int64_t hq = 0; hq < heads;) {
+            const int two = group > 1 && hq % group + 1 < group;
+            accumulate_v(out + hq * head_dim, scores + hq * block_size - lo,
+                         vs.block + (hq / group) * head_dim, token_stride, lo, hi, head_dim,
+                         block_size, two ? 2 : 1);
+            hq += two ? 2 : 1;
         }
     }
     for (int64_t hq = 0; hq < heads; hq++) {
-        const float inv = 1.0f / row_sum[hq];
+        const float inv = 1.0f / l[hq];
         float *o = out + hq * head_dim;
         for (int64_t d = 0; d < head_dim; d++)
             o[d] *= inv;
@@ -216,16 +261,12 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const floa
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
                        int64_t window, float softcap, float *out, int64_t num_threads)
 {
-    int64_t max_len = 1;
-    for (int64_t s = 0; s < n; s++)
-        if (lens[s] > max_len)
-            max_len = lens[s];
     int failed = 0;
     /* Threads split sequences, never one sequence: see the header on determinism. Scratch per
-     * thread: heads x max_len scores, then each head's running max and sum. */
+     * thread: each head's running max and sum, then heads x block_size scores. */
 #pragma omp parallel num_threads(num_threads > 1 ? (int)num_threads : 1) if (num_threads > 1 && n > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * (max_len + 2)));
+        float *scores = malloc(sizeof(float) * (size_t)(heads * (block_size + 2)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
