@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx2
 
+from quire_engine.outputs import RequestOutput
 from quire_engine.tiny_model import build_tokenizer
-from tests.engine_tests.server_harness import RunningServer
+from tests.engine_tests.server_harness import EngineHolder, RunningServer, serve, tiny_settings
 
 NO_EOS = {"ignore_eos": True}
 # Greedy output of PROMPT begins with four printable bytes: 43 '+', 64 '@', 63 '?', 48 '0'
@@ -48,21 +50,47 @@ def test_completion_shape_and_usage(server: RunningServer) -> None:
     assert usage.completion_tokens == 5 and usage.total_tokens == usage.prompt_tokens + 5
 
 
-def test_streaming_arrives_in_chunks_and_ends_with_usage(server: RunningServer) -> None:
-    full = greedy(server, PROMPT, max_tokens=8)
-    assert full.startswith(PREFIX)
-    stream = server.client().completions.create(
-        model="tiny",
-        prompt=PROMPT,
-        temperature=0,
-        max_tokens=8,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=NO_EOS,
-    )
-    chunks = list(stream)
+def test_streaming_arrives_in_chunks_and_ends_with_usage() -> None:
+    """A chunk per engine step that adds text. Outputs are cumulative and a client slower than
+    the engine gets bigger deltas (async_engine), so how many chunks arrive depends on the two
+    speeds: here, while the output is within PREFIX, a step that added text makes the next step
+    wait (a minute at most) until the client has received that text's chunk."""
+    holder = EngineHolder()
+    received = threading.Semaphore(0)
+    with serve(tiny_settings(engine_factory=holder)) as server:
+        full = greedy(server, PROMPT, max_tokens=8)
+        assert full.startswith(PREFIX)
+        engine = holder.engine
+        step, shown, wait = engine.step, [0], [False]
+
+        def gated() -> list[RequestOutput]:
+            if wait[0]:
+                received.acquire(timeout=60)
+            outputs = step()
+            text = next((o.outputs[0].text for o in outputs if o.outputs), "")
+            wait[0] = shown[0] < len(text) <= len(PREFIX)
+            shown[0] = max(shown[0], len(text))
+            return outputs
+
+        engine.step = gated  # type: ignore[method-assign]
+        try:
+            stream = server.client().completions.create(
+                model="tiny",
+                prompt=PROMPT,
+                temperature=0,
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=NO_EOS,
+            )
+            chunks = []
+            for chunk in stream:
+                chunks.append(chunk)
+                received.release()
+        finally:
+            del engine.step
     content, final = chunks[:-1], chunks[-1]
-    assert len(content) >= 3, "one chunk per step, not one at the end"
+    assert [c.choices[0].text for c in content[: len(PREFIX)]] == list(PREFIX), "one per step"
     assert all(c.choices and c.usage is None for c in content)
     assert "".join(c.choices[0].text for c in content) == full
     assert [c.choices[0].finish_reason for c in content][-1] == "length"
