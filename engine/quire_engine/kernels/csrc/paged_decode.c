@@ -86,7 +86,7 @@ static inline struct span block_span(const float *pool, const int32_t *table, in
 }
 
 /* q_h . k for up to DOTS query heads h = h0 .. h0 + count - 1 of one token (q_h at q + (h - h0) *
- * q_head), head h against its KV head's part of the token's K row k, (h / group) * head_dim on:
+ * q_head), head h against its KV head's part of the token's K row k, kv_off[h - h0] on:
  * lane l sums d = l, l + LANES, ... with fused multiply-adds, the lanes are added in lanes_sum's
  * order, then the tail d >= D - D % LANES, whatever the count. DOTS independent chains, because
  * one dot's multiply-adds are a dependency chain: with four, the latency of the multiply-add,
@@ -94,7 +94,7 @@ static inline struct span block_span(const float *pool, const int32_t *table, in
 #define DOTS 8
 static inline __attribute__((always_inline)) void head_dots(const float *q, int64_t q_head,
                                                             const float *k, int64_t head_dim,
-                                                            int64_t h0, int64_t group,
+                                                            const int64_t *kv_off,
                                                             const int count, float *dot)
 {
     const int64_t d_vec = head_dim - head_dim % LANES;
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void head_dots(const float *q, int6
 #pragma GCC unroll 8
     for (int t = 0; t < count; t++) {
         acc[t] = (vec){0};
-        kh[t] = k + ((h0 + t) / group) * head_dim;
+        kh[t] = k + kv_off[t];
     }
     for (int64_t d = 0; d < d_vec; d += LANES) {
 #pragma GCC unroll 8
@@ -170,14 +170,17 @@ static inline void accumulate_v(float *o, const float *p, const float *vg, int64
  * block's V and of the next block's K are prefetched, so both streams are in flight at once: a
  * pass over all K and then one over all V read randomly placed 16 KB blocks one stream at a
  * time (a read-only harness of the two orders on a Zen 5 core: 14-18 against 16-24 GB/s).
- * `scores`: heads x block_size floats of scratch; `m`, `l`: heads floats each. */
+ * `kv_off[h]`: where query head h's KV head starts in a K or V row, (h / (heads / kv_heads)) *
+ * head_dim, computed once per call (an integer division per head and token was a tenth of the
+ * kernel's instructions); `scores`: heads x block_size floats of scratch; `m`, `l`: heads floats
+ * each. */
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
                        const int32_t *table, int64_t len, int64_t first, int64_t block_size,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                       float softcap, float *out, float *scores, float *m, float *l)
+                       float softcap, const int64_t *kv_off, float *out, float *scores,
+                       float *m, float *l)
 {
     const int64_t token_stride = kv_heads * head_dim; /* floats between two tokens of a block */
-    const int64_t group = heads / kv_heads;            /* query heads per KV head */
     /* With a soft-cap the scores are c * tanh(scale * q.k / c) (transformers' order). */
     const float pre = softcap > 0.0f ? scale / softcap : scale;
     memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
@@ -201,10 +204,10 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
                 const float *qh = q + h0 * q_head;
                 const int64_t n = heads - h0 < DOTS ? heads - h0 : DOTS;
                 if (n == DOTS)
-                    head_dots(qh, q_head, kt, head_dim, h0, group, DOTS, dot);
+                    head_dots(qh, q_head, kt, head_dim, kv_off + h0, DOTS, dot);
                 else
                     for (int64_t t = 0; t < n; t++)
-                        head_dots(qh + t * q_head, q_head, kt, head_dim, h0 + t, group, 1,
+                        head_dots(qh + t * q_head, q_head, kt, head_dim, kv_off + h0 + t, 1,
                                   dot + t);
                 for (int64_t t = 0; t < n; t++)
                     scores[(h0 + t) * block_size + j - lo] = dot[t] * pre;
@@ -240,9 +243,9 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
          * of fused multiply-adds. Query heads two at a time where they share a KV head (their
          * V rows are the same loads), their output rows in registers across the block. */
         for (int64_t hq = 0; hq < heads;) {
-            const int two = group > 1 && hq % group + 1 < group;
+            const int two = hq + 1 < heads && kv_off[hq + 1] == kv_off[hq];
             accumulate_v(out + hq * head_dim, scores + hq * block_size - lo,
-                         vs.block + (hq / group) * head_dim, token_stride, lo, hi, head_dim,
+                         vs.block + kv_off[hq], token_stride, lo, hi, head_dim,
                          block_size, two ? 2 : 1);
             hq += two ? 2 : 1;
         }
@@ -263,10 +266,16 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const floa
 {
     int failed = 0;
     /* Threads split sequences, never one sequence: see the header on determinism. Scratch per
-     * thread: each head's running max and sum, then heads x block_size scores. */
+     * thread: each query head's KV offset, then its running max and sum, then heads x block_size
+     * scores. */
+    const int64_t group = heads / kv_heads; /* query heads per KV head */
 #pragma omp parallel num_threads(num_threads > 1 ? (int)num_threads : 1) if (num_threads > 1 && n > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * (block_size + 2)));
+        const size_t floats = (size_t)(heads * (block_size + 2));
+        int64_t *kv_off = malloc(sizeof(int64_t) * (size_t)heads + sizeof(float) * floats);
+        float *scores = kv_off != NULL ? (float *)(kv_off + heads) : NULL;
+        for (int64_t h = 0; scores != NULL && h < heads; h++)
+            kv_off[h] = (h / group) * head_dim;
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -278,11 +287,11 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const floa
             const int64_t len = lens[s];
             const int64_t first = window > 0 && len > window ? len - window : 0;
             decode_one(q + rows[s] * q_tok, q_head, k, v, tables + s * table_stride, len, first,
-                       block_size, heads, kv_heads, head_dim, scale, softcap,
+                       block_size, heads, kv_heads, head_dim, scale, softcap, kv_off,
                        out + rows[s] * heads * head_dim, scores + 2 * heads, scores,
                        scores + heads);
         }
-        free(scores);
+        free(kv_off);
     }
     return failed;
 }
