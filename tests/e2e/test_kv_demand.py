@@ -1,21 +1,25 @@
 """Scaling ahead of the pool running dry: the KV-demand gauge against KV usage on one burst.
 
-Seven clients arrive at once at a replica with 256 blocks of 16 tokens (4,096 tokens); each keeps
-one request in flight: 16 prompt tokens, exactly 960 generated (``ignore_eos``). The same load runs
-twice, once scaling on KV demand >= 0.8, once on KV usage >= 0.8:
+Seven clients arrive at once at a replica with 512 blocks of 16 tokens (8,192 tokens); each keeps
+one request in flight until the scaling decision: 16 prompt tokens, exactly 1,920 generated
+(``ignore_eos``). The same load runs twice, once scaling on KV demand >= 0.8, once on KV usage
+>= 0.8:
 
-- demand = known tokens + half the remaining max_tokens = 16 + 480 -> 31 blocks per request, 217
-  of 256 blocks (0.85) the moment the requests are admitted;
-- usage starts at 1 block per request (0.03), reaches 0.8 only after ~450 generated tokens each,
-  and the pool overflows (the first preemption) after ~580.
+- demand = known tokens + half the remaining max_tokens = 16 + 960 -> 61 blocks per request, 427
+  of 512 blocks (0.83) the moment the requests are admitted;
+- usage starts at 1 block per request (0.01), reaches 0.8 only after ~920 generated tokens each,
+  and the pool overflows (the first preemption) after ~1,150.
 
 Asserted, on Prometheus' own record of each run (every scrape of the engine's gauges, which is
 what KEDA's queries read): in the demand run the demand gauge reached the target at an earlier
 scrape than the usage gauge did and than the first preemption was recorded, i.e. the autoscaler's
 input said "scale" while the pool still had room; and both runs scale out. The order is the
 engine's (demand is >= 0.8 from admission on, usage and preemptions need hundreds of generated
-tokens), so it holds whenever the growth phase spans more than one scrape interval (1 s; the
-growth phase took ~3.6 s on the fastest machine measured).
+tokens), so it holds whenever the growth phase spans more than one scrape interval (250 ms here).
+With 256 blocks and 960 tokens the growth phase took ~11 s on one machine, ~3.6 s on a faster one
+and less than one 1-s scrape interval on a Zen 5 core, where demand and usage crossed at the same
+scrape; the load then was 21 requests, and the usage run's burst ended before its autoscaler's
+chain (scrape, KEDA's poll, the HPA's sync) decided: the load now runs until the decision.
 
 Reported, not asserted: each run's decision time and its first preemption. Whether the decision
 itself precedes the first preemption is a race between the chain's latency (scrape, KEDA's poll,
@@ -36,13 +40,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 CLIENTS = 7
 TARGET = 0.8
-ENGINE = {"max_num_seqs": 16, "num_blocks": 256, "max_model_len": 1024}
+MAX_TOKENS = 1920
+ENGINE = {"max_num_seqs": 16, "num_blocks": 512, "max_model_len": 2048}
 
 
 def burst_until_scaled(s: Scenario) -> tuple[float, float, float | None]:
     """Start the burst and wait for the HPA to want 2 replicas; returns (seconds from load start
     to the decision, preemptions recorded by then, seconds to the first preemption or None)."""
-    s.start_load(concurrency=CLIENTS, prompt_len=16, max_tokens=960, max_requests=3 * CLIENTS)
+    # Requests keep coming until the decision (Load's own bound is far beyond it): a burst that
+    # ends first leaves nothing for the autoscaler to see.
+    s.start_load(concurrency=CLIENTS, prompt_len=16, max_tokens=MAX_TOKENS)
     started = time.monotonic()
     first_preemption = None
     deadline = started + STEP_TIMEOUT_S
