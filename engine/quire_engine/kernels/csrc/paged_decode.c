@@ -16,8 +16,8 @@
  * query head against its KV head's part of the row) instead of KV head by KV head in strided
  * pieces, to 6-7: 0.68-0.76x the time at 16-48 sequences of 250-400 tokens, 0.72-0.86x at one
  * of 800, the same output values (a C harness over 9 layers' pools with shuffled tables, best
- * of 15 alternating runs). With the K/V in cache it is slower (1.3-1.4x: pass 2's output rows
- * go through L1 per token), which a decode step's K/V never is. With AVX-512 (16 lanes, half the
+ * of 15 alternating runs; with the K/V in cache that two-pass kernel was 1.3-1.4x slower, its
+ * second pass's output rows going through L1 per token). With AVX-512 (16 lanes, half the
  * instructions per row) the engine's native decode steps of 17-64 sequences took 0.93-0.96x the
  * time they took with this kernel at 8 lanes, the same at one (the matmuls at 16 lanes in both;
  * benchmarks/native_ab.py --rtol, Zen 5). One pass with an online softmax (decode_one) instead
@@ -171,8 +171,8 @@ static inline void accumulate_v(float *o, const float *p, const float *vg, int64
  * pass over all K and then one over all V read randomly placed 16 KB blocks one stream at a
  * time (a read-only harness of the two orders on a Zen 5 core: 14-18 against 16-24 GB/s).
  * `kv_off[h]`: where query head h's KV head starts in a K or V row, (h / (heads / kv_heads)) *
- * head_dim, computed once per call (an integer division per head and token was a tenth of the
- * kernel's instructions); `scores`: heads x block_size floats of scratch; `m`, `l`: heads floats
+ * head_dim, computed once per call (an integer division per head and token before:
+ * 0.985x the native decode steps' time without them); `scores`: heads x block_size floats of scratch; `m`, `l`: heads floats
  * each. */
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
                        const int32_t *table, int64_t len, int64_t first, int64_t block_size,
@@ -191,12 +191,12 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
     /* Blocks wholly before `first` are never touched (a windowed model may have released them). */
     for (int64_t b = first / block_size; b * block_size < len; b++) {
         const struct span ks = block_span(k, table, b, first, len, block_size, token_stride);
-        const struct span vs = block_span(v, table, b, first, len, block_size, token_stride);
+        const float *vblock = v + (ks.block - k); /* the V pool has the K pool's layout */
         const int64_t lo = ks.lo, hi = ks.hi, count = hi - lo;
         /* scores[hq * block_size + j - lo] = pre * q_hq . k_j */
         for (int64_t j = lo; j < hi; j++) {
             const float *kt = ks.block + j * token_stride;
-            prefetch_floats(vs.block + j * token_stride, token_stride);
+            prefetch_floats(vblock + j * token_stride, token_stride);
             if (ks.next != NULL)
                 prefetch_floats(ks.next + j * token_stride, token_stride);
             for (int64_t h0 = 0; h0 < heads; h0 += DOTS) {
@@ -245,7 +245,7 @@ static void decode_one(const float *q, int64_t q_head, const float *k, const flo
         for (int64_t hq = 0; hq < heads;) {
             const int two = hq + 1 < heads && kv_off[hq + 1] == kv_off[hq];
             accumulate_v(out + hq * head_dim, scores + hq * block_size - lo,
-                         vs.block + kv_off[hq], token_stride, lo, hi, head_dim,
+                         vblock + kv_off[hq], token_stride, lo, hi, head_dim,
                          block_size, two ? 2 : 1);
             hq += two ? 2 : 1;
         }
