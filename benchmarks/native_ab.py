@@ -15,7 +15,7 @@ their largest magnitude); then each step's K/V is the second build's, and the ru
 either build could make up to rounding, both builds still timed on the same inputs. A change
 of the C entry point's signature is refused: compare it with ``ab.py``.
 
-Each build is the library that version's ``kernels/native.py`` compiles (into the shared kernel
+Each build is the library that version's ``cpu/native.py`` compiles (into the shared kernel
 cache, through a child process with that version on ``PYTHONPATH``); the engine around them is
 this checkout's. The report: per class of step size (sequences in the step), the seconds each
 build spent, ``head_vs_base`` (ratio of those sums) and the median of the per-step ratios.
@@ -57,9 +57,15 @@ def _ab() -> Any:
     return module
 
 
+# Where native.py and csrc/ live: cpu/ now, kernels/ in checkouts from before the layer folders.
+_NATIVE_PKGS = ("cpu", "kernels")
+
+
 def prototype(root: Path) -> str:
     """The parameter list of ``quire_decoder_decode`` in ``root``'s sources, whitespace folded."""
-    source = (root / "engine/quire_engine/kernels/csrc/decoder_decode.c").read_text()
+    # The sources moved from kernels/ to cpu/: a --base from before the move has them there.
+    candidates = [root / f"engine/quire_engine/{pkg}/csrc/decoder_decode.c" for pkg in _NATIVE_PKGS]
+    source = next(path for path in candidates if path.exists()).read_text()
     found = _PROTOTYPE.search(source)
     if found is None:
         raise SystemExit(f"{root}: no quire_decoder_decode in decoder_decode.c")
@@ -68,7 +74,8 @@ def prototype(root: Path) -> str:
 
 def library_of(root: Path) -> Path:
     """The shared object ``root``'s ``native.py`` builds (or finds in the kernel cache)."""
-    code = "from quire_engine.kernels import native; lib = native.library(); print(lib.path)"
+    pkg = next(p for p in _NATIVE_PKGS if (root / f"engine/quire_engine/{p}/native.py").exists())
+    code = f"from quire_engine.{pkg} import native; lib = native.library(); print(lib.path)"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=root,
@@ -141,7 +148,7 @@ def report(steps: list[tuple[int, float, float]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, base_lib: Path, head_lib: Path) -> dict[str, Any]:
     from quire_engine.bench import throughput
-    from quire_engine.kernels import native
+    from quire_engine.cpu import native
 
     bench = throughput.parse(args.workload)
     if bench.device != "cpu":

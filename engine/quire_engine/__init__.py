@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from quire_engine.llm import LLM
-    from quire_engine.sampling_params import SamplingParams
+    from quire_engine.core.sampling_params import SamplingParams
+    from quire_engine.engine.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from quire_engine.llm import LLM
+        from quire_engine.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from quire_engine.sampling_params import SamplingParams
+        from quire_engine.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

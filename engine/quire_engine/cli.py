@@ -2,8 +2,8 @@
 
 Each benchmark lives in ``quire_engine.bench.<name>`` and exposes ``add_arguments(parser)`` and
 ``run(args) -> dict``; the CLI prints the dict as one JSON object. ``serve`` lives in
-``quire_engine.serve`` with ``add_arguments(parser)`` and ``run(args) -> exit code``. Modules are
-imported lazily so ``bench allocator`` never imports torch.
+``quire_engine.server.cli`` with ``add_arguments(parser)`` and ``run(args) -> exit code``.
+Modules are imported lazily so ``bench allocator`` never imports torch.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         "serve", help=serve_help, description=serve_help, allow_abbrev=False
     )
     if argv and argv[0] == "serve":
-        importlib.import_module("quire_engine.serve").add_arguments(serve)
+        importlib.import_module("quire_engine.server.cli").add_arguments(serve)
     bench = commands.add_parser("bench", help="run a benchmark and print JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHES.items():
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
-        serve = importlib.import_module("quire_engine.serve")
+        serve = importlib.import_module("quire_engine.server.cli")
         try:
             return int(serve.run(args))
         except ValueError as exc:

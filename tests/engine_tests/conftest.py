@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from quire_engine.block_pool import BlockPool
+from quire_engine.core.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from tests.engine_tests.server_harness import RunningServer

@@ -18,7 +18,7 @@ import torch
 import transformers as tf
 from transformers import PretrainedConfig, PreTrainedModel
 
-from quire_engine.tiny_model import TINY_VOCAB_SIZE, build_tokenizer
+from quire_engine.model.tiny_model import TINY_VOCAB_SIZE, build_tokenizer
 from tests.engine_tests.ties import TIE_MARGIN
 
 COMMON: dict[str, object] = {

@@ -26,11 +26,11 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from quire_engine.async_engine import AsyncEngine
-from quire_engine.config import EngineConfig
-from quire_engine.drain import Drain
-from quire_engine.engine import LLMEngine
-from quire_engine.server import ServerSettings, create_app
+from quire_engine.core.config import EngineConfig
+from quire_engine.engine.async_engine import AsyncEngine
+from quire_engine.engine.llm_engine import LLMEngine
+from quire_engine.server.app import ServerSettings, create_app
+from quire_engine.server.drain import Drain
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quire_engine import LLM
-from quire_engine.tiny_model import build_tokenizer
+from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.ties import assert_ranking_tie_free
 
 PROMPT = [1, 4, 2, 5, 3, 0, 1, 2, 3, 4, 5, 0, 2, 2]  # 14 tokens: fits and crosses blocks of 8
@@ -109,7 +109,7 @@ def test_narrow_beam_matches_reference_and_shares_blocks(tmp_path: Path) -> None
         enable_prefix_caching=False,
     )
     engine = llm.engine
-    from quire_engine.sampling_params import SamplingParams
+    from quire_engine.core.sampling_params import SamplingParams
 
     engine.add_request(
         "beam", PROMPT, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), beam_width=3

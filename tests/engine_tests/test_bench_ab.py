@@ -120,8 +120,8 @@ def test_native_ab_times_both_builds_and_refuses_different_results() -> None:
 
 def test_native_ab_refuses_builds_with_another_entry_point(tmp_path: Path) -> None:
     native_ab = _load("native_ab")
-    source = REPO / "engine/quire_engine/kernels/csrc/decoder_decode.c"
-    changed = tmp_path / "engine/quire_engine/kernels/csrc/decoder_decode.c"
+    source = REPO / "engine/quire_engine/cpu/csrc/decoder_decode.c"
+    changed = tmp_path / "engine/quire_engine/cpu/csrc/decoder_decode.c"
     changed.parent.mkdir(parents=True)
     text = source.read_text()
     changed.write_text(text.replace("int64_t block_size, int64_t n,", "int64_t block_size,", 1))

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from quire_engine.cli import main
-from quire_engine.kernels import native
+from quire_engine.cpu import native
 
 SMALL = [
     "--hidden-size", "64", "--layers", "1", "--num-prompts", "5", "--mean-prompt-len", "12",

@@ -8,10 +8,10 @@ import json
 import numpy as np
 
 from quire_engine.cli import main
-from quire_engine.config import CacheConfig, SchedulerConfig
-from quire_engine.model_runner import build_step_inputs
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence
+from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence
+from quire_engine.model.runner import build_step_inputs
 
 
 def test_step_bench_small(capsys: object) -> None:

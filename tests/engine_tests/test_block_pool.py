@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.block_pool import BlockPool, FreeBlockQueue, PoolStats
+from quire_engine.core.block_pool import BlockPool, FreeBlockQueue, PoolStats
 
 
 def test_free_queue_pop_remove_append_order() -> None:

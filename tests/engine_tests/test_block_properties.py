@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from quire_engine.block_pool import BlockPool
-from quire_engine.config import CacheConfig, SchedulerConfig
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence, SequenceStatus
+from quire_engine.core.block_pool import BlockPool
+from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence, SequenceStatus
 
 
 def check_pool(pool: BlockPool, holders: Counter[int]) -> None:

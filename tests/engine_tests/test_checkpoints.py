@@ -17,9 +17,10 @@ import torch
 import transformers as tf
 from transformers import AutoModelForCausalLM
 
-from quire_engine import LLM, SamplingParams, model_loader
-from quire_engine.attention import inspect_layers
-from quire_engine.tiny_model import build_tokenizer
+from quire_engine import LLM, SamplingParams
+from quire_engine.model import loader as model_loader
+from quire_engine.model.attention import inspect_layers
+from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.models import COMMON, build
 from tests.engine_tests.server_harness import serve, tiny_settings
 from tests.engine_tests.test_llm_equivalence import MAX_TOKENS, hf_reference, prompts
@@ -199,7 +200,7 @@ def test_profiling_attention_runs_every_architecture(
     """The pool sizing forward (``profile_peak_memory`` on CUDA) swaps attention for one that
     outputs zeros: it must run where transformers refuses SDPA (Gemma 2) and leave the model's
     own implementation in place afterwards."""
-    from quire_engine.attention import register_profiling
+    from quire_engine.model.attention import register_profiling
 
     net = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
     impl = net.config._attn_implementation

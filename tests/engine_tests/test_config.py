@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.config import CacheConfig, PreemptionMode, SchedulerConfig
-from quire_engine.sequence import Sequence
+from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.sequence import Sequence
 
 
 @pytest.mark.parametrize(

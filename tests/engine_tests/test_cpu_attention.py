@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from quire_engine.cpu.paged_attention import CpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
 from quire_engine.kernels.paged_attention import decode_chunks, paged_attention_reference
-from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 
 # The module, not the function the package re-exports under the same name.
 paged_attention_module = importlib.import_module("quire_engine.kernels.paged_attention")

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from quire_engine.detokenizer import Detokenizer, byte_table
-from quire_engine.tiny_model import build_tokenizer
+from quire_engine.core.detokenizer import Detokenizer, byte_table
+from quire_engine.model.tiny_model import build_tokenizer
 
 TEXT = "Grüße aus Köln — naïve café, 東京タワー 🚀🚀 and plain ASCII words repeated words repeated"
 

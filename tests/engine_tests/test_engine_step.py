@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from quire_engine.engine import LLMEngine
-from quire_engine.llm import LLM
-from quire_engine.outputs import RequestOutput
-from quire_engine.request_table import RequestTable
-from quire_engine.sampling_params import SamplingParams
+from quire_engine.core.outputs import RequestOutput
+from quire_engine.core.request_table import RequestTable
+from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.engine.llm import LLM
+from quire_engine.engine.llm_engine import LLMEngine
 
 PROMPT = [7, 42, 99, 3, 150, 11]
 BEAM_PROMPT = [200, 5, 77, 18]  # another prompt: other logits in the same step

@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 
-from quire_engine import LLM, SamplingParams, beam_search
-from quire_engine import engine as engine_module
-from quire_engine import request_table as table_module
-from quire_engine.detokenizer import Detokenizer
-from quire_engine.outputs import RequestOutput
-from quire_engine.sampler import SampleRow
+from quire_engine import LLM, SamplingParams
+from quire_engine.core import beam_search
+from quire_engine.core import request_table as table_module
+from quire_engine.core.detokenizer import Detokenizer
+from quire_engine.core.outputs import RequestOutput
+from quire_engine.engine import llm_engine as engine_module
+from quire_engine.model.sampler import SampleRow
 
 POISON_SEED = 666_666
 LAST = 8  # max_tokens of every request here; faults strike at the last token

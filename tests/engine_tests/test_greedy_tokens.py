@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quire_engine.sampler import greedy_tokens
+from quire_engine.model.sampler import greedy_tokens
 
 
 @pytest.mark.parametrize("shape", [(1, 5), (7, 320), (64, 4096)])

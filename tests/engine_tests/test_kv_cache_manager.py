@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from quire_engine.config import CacheConfig
-from quire_engine.kv_cache_manager import KVCacheManager, hash_block
-from quire_engine.sequence import Sequence
+from quire_engine.core.config import CacheConfig
+from quire_engine.core.kv_cache_manager import KVCacheManager, hash_block
+from quire_engine.core.sequence import Sequence
 
 
 def ids(table: Any) -> list[int] | None:

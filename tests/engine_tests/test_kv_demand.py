@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.config import CacheConfig, SchedulerConfig
-from quire_engine.metrics import (
+from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence, SequenceStatus
+from quire_engine.engine.metrics import (
     KV_DEMAND_OUTPUT_SHARE,
     ServerMetrics,
     StatsRecorder,
     kv_demand_blocks,
 )
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks: int = 16, *, max_model_len: int = 128, max_num_seqs: int = 8) -> Scheduler:

@@ -32,8 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quire_engine import LLM, SamplingParams
-from quire_engine.config import PreemptionMode
-from quire_engine.model_loader import SUPPORTED_ARCHITECTURES
+from quire_engine.core.config import PreemptionMode
+from quire_engine.model.loader import SUPPORTED_ARCHITECTURES
 from tests.engine_tests.models import ARCHITECTURES, GreedyPath, greedy_reference
 from tests.engine_tests.ties import TIE_MARGIN
 

@@ -11,8 +11,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from quire_engine import LLM, SamplingParams
-from quire_engine.config import EngineConfig
-from quire_engine.tiny_model import save_tiny_model
+from quire_engine.core.config import EngineConfig
+from quire_engine.model.tiny_model import save_tiny_model
 
 
 @pytest.fixture(scope="module")

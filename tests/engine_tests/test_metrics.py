@@ -11,7 +11,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from quire_engine.metrics import ITL_BUCKETS, BatchHistogram, GcPauses
+from quire_engine.engine.metrics import ITL_BUCKETS, BatchHistogram, GcPauses
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:

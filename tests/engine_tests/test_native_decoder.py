@@ -1,4 +1,4 @@
-"""The native decode step (``kernels/csrc/decoder_decode.c``, driven by ``kernels/decoder_cpu``).
+"""The native decode step (``cpu/csrc/decoder_decode.c``, driven by ``cpu/decoder``).
 
 Its contract: in a pure decode step of at most ``MAX_ROWS`` (64) sequences of a Llama-shaped
 model, the logits equal the module path's to rounding (its attention, and its matmuls up to 16
@@ -26,9 +26,9 @@ import torch
 import transformers as tf
 
 from quire_engine import LLM, SamplingParams
-from quire_engine.kernels import decoder_cpu
-from quire_engine.model_runner import ModelRunner
-from quire_engine.tiny_model import build_tokenizer
+from quire_engine.cpu import decoder as decoder_cpu
+from quire_engine.model.runner import ModelRunner
+from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.models import COMMON, LOCAL_GLOBAL, WINDOW, build
 from tests.engine_tests.ties import TIE_MARGIN
 from tests.engine_tests.toolchain import require_native_kernels
@@ -212,7 +212,7 @@ def test_other_models_and_steps_take_the_module_path(
 
 
 def _kernel() -> Any:
-    from quire_engine.kernels import native
+    from quire_engine.cpu import native
 
     kernel = native.decoder_decode()
     assert kernel is not None

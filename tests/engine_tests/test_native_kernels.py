@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (``kernels/native.py``, ``kernels/csrc/paged_decode.c``).
+"""The native CPU decode kernel (``cpu/native.py``, ``cpu/csrc/paged_decode.c``).
 
 It must compute what ``paged_attention_reference`` computes for one-token queries, to rounding
 (another summation order: held to 1e-5 on O(1) outputs from unit-normal data, where fp32
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from quire_engine.kernels import native
+from quire_engine.cpu import native
+from quire_engine.cpu.paged_attention import CpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
 from quire_engine.kernels.paged_attention import paged_attention_reference
-from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
 from tests.engine_tests.toolchain import require_native_kernels
 
 ATOL = RTOL = 1e-5

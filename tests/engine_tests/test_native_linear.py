@@ -1,5 +1,5 @@
-"""The native few-row linear (``kernels/csrc/skinny_linear.c``) and its router
-(``kernels/linear_cpu.py``).
+"""The native few-row linear (``cpu/csrc/skinny_linear.c``) and its router
+(``cpu/linear.py``).
 
 The kernel must compute ``x @ W.T + b`` to rounding (another summation order than the BLAS:
 compared with a float64 product at 1e-5 relative to the size of the terms, where fp32 rounding
@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quire_engine.kernels import linear_cpu, native
+from quire_engine.cpu import linear as linear_cpu
+from quire_engine.cpu import native
 from tests.engine_tests.toolchain import require_native_kernels
 
 TOL = 1e-5

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.llm import LLM
-from quire_engine.outputs import CompletionOutput, Prefix, RequestOutput
-from quire_engine.sampling_params import SamplingParams
+from quire_engine.core.outputs import CompletionOutput, Prefix, RequestOutput
+from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.engine.llm import LLM
 
 
 def test_prefix_is_a_frozen_read_only_view() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.config import CacheConfig, PreemptionMode, SchedulerConfig
-from quire_engine.request_table import Request, RequestTable
-from quire_engine.sampling_params import SamplingParams
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence, SequenceStatus
+from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.request_table import Request, RequestTable
+from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence, SequenceStatus
 
 
 def make_table(num_blocks: int = 8) -> RequestTable:

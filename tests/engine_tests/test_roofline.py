@@ -9,10 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quire_engine.bench import roofline
-from quire_engine.llm import LLM
-from quire_engine.model_runner import CacheShape
-from quire_engine.sampling_params import SamplingParams
-from quire_engine.scheduler import SchedulerOutput
+from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.core.scheduler import SchedulerOutput
+from quire_engine.engine.llm import LLM
+from quire_engine.model.runner import CacheShape
 
 
 def test_step_counts_tokens_rows_context_and_causal_pairs() -> None:

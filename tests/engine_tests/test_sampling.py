@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from quire_engine import LLM, SamplingParams
-from quire_engine.sampler import SampleRow, sample
-from quire_engine.sampling_params import SamplingParams as SP
+from quire_engine.core.sampling_params import SamplingParams as SP
+from quire_engine.model.sampler import SampleRow, sample
 
 
 @pytest.fixture(scope="module")

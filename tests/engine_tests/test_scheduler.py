@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.config import CacheConfig, PreemptionMode, SchedulerConfig
-from quire_engine.scheduler import Scheduler, SchedulerOutput
-from quire_engine.sequence import Sequence, SequenceStatus
+from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.scheduler import Scheduler, SchedulerOutput
+from quire_engine.core.sequence import Sequence, SequenceStatus
 
 
 def make(

@@ -17,11 +17,11 @@ from tests.engine_tests.server_harness import engine_process
 
 FREEZE = """
 import gc, json
-from quire_engine.llm import LLM
+from quire_engine.engine.llm import LLM
 llm = LLM(device="cpu", dtype="float32")
 gc.collect()
 alive = len(gc.get_objects())
-from quire_engine.serve import freeze_startup_heap
+from quire_engine.server.cli import freeze_startup_heap
 frozen = freeze_startup_heap()
 print(json.dumps({"alive": alive, "frozen": frozen, "left": len(gc.get_objects())}))
 """

@@ -12,8 +12,8 @@ import threading
 
 import httpx2
 
-from quire_engine.outputs import RequestOutput
-from quire_engine.tiny_model import build_tokenizer
+from quire_engine.core.outputs import RequestOutput
+from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.server_harness import EngineHolder, RunningServer, serve, tiny_settings
 
 NO_EOS = {"ignore_eos": True}

@@ -19,7 +19,7 @@ import pytest
 
 from quire_engine import cli
 from quire_engine.bench.workload import sharegpt_like
-from quire_engine.serve import JsonFormatter, env_name, parse_bytes, settings_from_args
+from quire_engine.server.cli import JsonFormatter, env_name, parse_bytes, settings_from_args
 from tests.engine_tests.server_harness import ENGINE_DIR, EngineProcess
 
 

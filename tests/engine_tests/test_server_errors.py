@@ -12,8 +12,8 @@ import httpx2
 import openai
 import pytest
 
-from quire_engine.config import EngineConfig
-from quire_engine.engine import LLMEngine
+from quire_engine.core.config import EngineConfig
+from quire_engine.engine.llm_engine import LLMEngine
 from tests.engine_tests.server_harness import RunningServer, serve, tiny_settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -14,10 +14,11 @@ from typing import Any
 import httpx2
 import pytest
 
-from quire_engine import LLM, SamplingParams, prompt_encoder
-from quire_engine import engine as engine_module
-from quire_engine import server as server_module
-from quire_engine.sampler import SampleRow
+from quire_engine import LLM, SamplingParams
+from quire_engine.engine import llm_engine as engine_module
+from quire_engine.model.sampler import SampleRow
+from quire_engine.server import app as server_module
+from quire_engine.server import prompt_encoder
 from tests.engine_tests.server_harness import (
     EngineHolder,
     RunningServer,

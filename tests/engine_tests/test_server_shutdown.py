@@ -118,7 +118,7 @@ def test_streams_open_at_the_shutdown_timeout_end_with_an_error_event() -> None:
 
 
 BROKEN_FORWARD = """
-from quire_engine import model_runner
+from quire_engine.model import runner as model_runner
 _real = model_runner.ModelRunner.execute
 _calls = [0]
 def _execute(self, out):

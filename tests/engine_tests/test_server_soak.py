@@ -29,9 +29,9 @@ import httpx2
 import pytest
 
 from quire_engine import LLM, SamplingParams
-from quire_engine.config import EngineConfig
-from quire_engine.engine import LLMEngine
-from quire_engine.outputs import CompletionOutput
+from quire_engine.core.config import EngineConfig
+from quire_engine.core.outputs import CompletionOutput
+from quire_engine.engine.llm_engine import LLMEngine
 from tests.engine_tests.server_harness import serve, sse_payloads, tiny_settings
 
 FULL = os.environ.get("QUIRE_SOAK_FULL", "") not in ("", "0")

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from quire_engine.config import CacheConfig, SchedulerConfig
-from quire_engine.kv_cache_manager import RELEASED, KVCacheManager
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence
+from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.kv_cache_manager import RELEASED, KVCacheManager
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence
 
 
 def ids(table: Any) -> list[int] | None:

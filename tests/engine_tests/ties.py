@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from quire_engine.outputs import RequestOutput
+from quire_engine.core.outputs import RequestOutput
 
 # Logit noise between CPUs, thread counts and batch shapes is ~1e-6 in float32; engine and
 # reference log-probabilities are held to 1e-4. A 1e-3 gap leaves the argmax no room to flip.

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from quire_engine.kernels import native
+from quire_engine.cpu import native
 
 
 def require_native_kernels() -> None:

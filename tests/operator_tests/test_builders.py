@@ -211,9 +211,9 @@ def test_engine_settings_become_flags() -> None:
 
 @pytest.mark.slow
 def test_engine_args_parse_with_the_engines_own_parser() -> None:
-    # The contract with engine/quire_engine/serve.py: every flag the builder writes exists there
-    # and reads back as the spec's value (this imports the engine, hence torch: seconds).
-    serve = pytest.importorskip("quire_engine.serve")
+    # The contract with engine/quire_engine/server/cli.py: every flag the builder writes exists
+    # there and reads back as the spec's value (this imports the engine, hence torch: seconds).
+    serve = pytest.importorskip("quire_engine.server.cli")
     engine = {"blockSize": 64, "preemptionMode": "swap", "swapSpaceGiB": 2, "maxModelLen": 2048}
     service = isvc(
         engine=engine, model={"uri": "hf://org/model", "servedName": "chat"}, resources={"gpus": 0}

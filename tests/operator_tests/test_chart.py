@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from quire_engine.metrics import ServerMetrics
+from quire_engine.engine.metrics import ServerMetrics
 from quire_operator import meta
 from quire_operator.deployment import PORT_NAME
 from quire_operator.objects import (

@@ -247,7 +247,7 @@ def test_engine_env_names_real_serve_flags() -> None:
     assert set(kernel_vars) <= set(re.findall(r'"(QUIRE_\w+)"', declared.group(1)))
     assert all(f'os.environ.get("{name}")' in native_source for name in kernel_vars)  # read
     quire_vars = {k: v for k, v in quire_vars.items() if k not in kernel_vars}
-    # Read from the source: importing quire_engine.serve would import torch (seconds).
+    # Read from the source: importing quire_engine.server.cli would import torch (seconds).
     serve_source = (ROOT / "engine" / "quire_engine" / "serve.py").read_text()
     assert 'ENV_PREFIX = "QUIRE_"' in serve_source
     flags = re.findall(r'flag\(\s*"(--[a-z-]+)"', serve_source)

@@ -22,9 +22,9 @@ import random
 from typing import Any
 
 from quire_engine.bench.workload import RequestLengths, random_tokens, sharegpt_like
-from quire_engine.config import CacheConfig, SchedulerConfig
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence
+from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence
 
 SWEEP = (8, 16, 32, 64, 128)
 

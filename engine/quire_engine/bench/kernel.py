@@ -1,7 +1,7 @@
 """Decode attention bandwidth: the paged Triton kernel against torch SDPA on a contiguous cache.
 
 ``--device cpu`` measures the engine's CPU decode path instead (fp32, ``--threads`` torch
-threads, wall-clock medians): the native kernel (``kernels/native``, blocks read in place)
+threads, wall-clock medians): the native kernel (``cpu/native``, blocks read in place)
 against the torch path it replaces (``CpuAttentionPlan`` without it: gather the blocks, then
 SDPA) and against SDPA over a contiguous cache, with the same byte count.
 
@@ -33,8 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from quire_engine.kernels import choose_num_splits, native, paged_attention, triton_usable
-from quire_engine.kernels.paged_attention_cpu import CpuAttentionPlan
+from quire_engine.cpu import native
+from quire_engine.cpu.paged_attention import CpuAttentionPlan
+from quire_engine.kernels import choose_num_splits, paged_attention, triton_usable
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

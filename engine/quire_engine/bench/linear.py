@@ -25,7 +25,8 @@ from transformers import LlamaForCausalLM
 
 from quire_engine.bench.kernel import median_wall_ms
 from quire_engine.bench.throughput import llama_config
-from quire_engine.kernels import linear_cpu, native
+from quire_engine.cpu import linear as linear_cpu
+from quire_engine.cpu import native
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

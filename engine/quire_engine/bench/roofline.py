@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from quire_engine.engine import LLMEngine
-from quire_engine.kernels import linear_cpu
-from quire_engine.model_runner import CacheShape
-from quire_engine.scheduler import SchedulerOutput
+from quire_engine.core.scheduler import SchedulerOutput
+from quire_engine.cpu import linear as linear_cpu
+from quire_engine.engine.llm_engine import LLMEngine
+from quire_engine.model.runner import CacheShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from quire_engine.bench.workload import random_tokens
-from quire_engine.config import CacheConfig, SchedulerConfig
-from quire_engine.scheduler import Scheduler
-from quire_engine.sequence import Sequence
+from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.sequence import Sequence
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

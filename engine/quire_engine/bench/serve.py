@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx2
 
-from quire_engine.bench import servers
+from quire_engine.bench import peers as servers
 from quire_engine.bench.workload import (
     RequestLengths,
     random_tokens,
@@ -266,8 +266,8 @@ def _offline(
     import torch
 
     from quire_engine.bench import roofline
-    from quire_engine.llm import LLM
-    from quire_engine.sampling_params import SamplingParams
+    from quire_engine.core.sampling_params import SamplingParams
+    from quire_engine.engine.llm import LLM
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -425,7 +425,7 @@ def _profile_report(
     start: dict[str, float], end: dict[str, float], server_cpu_s: float | None
 ) -> dict[str, Any]:
     """The engine steps' split over the run, and the server CPU spent outside them."""
-    from quire_engine.bench.profile import split_report
+    from quire_engine.engine.profile import split_report
 
     phases = {k: end[k] - start.get(k, 0.0) for k in end if k != "steps"}
     report = split_report(int(end.get("steps", 0) - start.get("steps", 0)), phases)

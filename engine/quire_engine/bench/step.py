@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from quire_engine import engine as engine_module
-from quire_engine.bench.profile import timed
 from quire_engine.bench.workload import random_tokens
-from quire_engine.detokenizer import Detokenizer
-from quire_engine.llm import LLM
-from quire_engine.metrics import ServerMetrics, StatsRecorder
-from quire_engine.sampling_params import SamplingParams
+from quire_engine.core.detokenizer import Detokenizer
+from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.engine import llm_engine as engine_module
+from quire_engine.engine.llm import LLM
+from quire_engine.engine.metrics import ServerMetrics, StatsRecorder
+from quire_engine.engine.profile import timed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -42,11 +42,11 @@ from transformers import (
 
 from quire_engine.bench import roofline
 from quire_engine.bench.workload import RequestLengths, sharegpt_like, warm_up_prompts
-from quire_engine.sampling_params import SamplingParams
-from quire_engine.tiny_model import build_tokenizer
+from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.model.tiny_model import build_tokenizer
 
 if TYPE_CHECKING:
-    from quire_engine.llm import LLM
+    from quire_engine.engine.llm import LLM
 
 # Named workloads: flag defaults they override (explicit flags still win).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -261,7 +261,7 @@ def _quire(
     budget: int,
     args: argparse.Namespace,
 ) -> _QuireRun:
-    from quire_engine.bench.profile import StepProfile
+    from quire_engine.engine.profile import StepProfile
 
     llm = quire_llm(model, tmp, budget, args)
     kv = llm.engine.scheduler.kv
@@ -295,7 +295,7 @@ def _quire(
 def quire_llm(model: PreTrainedModel, tmp: Path, budget: int, args: argparse.Namespace) -> LLM:
     """Quire's engine (an ``LLM``) for ``model``, saved under ``tmp``, with a KV pool of
     ``budget`` tokens and this bench's scheduler limits."""
-    from quire_engine.llm import LLM
+    from quire_engine.engine.llm import LLM
 
     path = tmp / "model"
     model.save_pretrained(path)

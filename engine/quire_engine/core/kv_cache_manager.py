@@ -1,0 +1,449 @@
+"""Per-sequence block tables over the block pool: on-demand growth, prefix reuse, fork, CoW, swap.
+
+Ownership rules:
+
+* The manager is the only holder that appears in ``BlockPool`` ref counts: each block id in a
+  sequence's table is one reference, taken by ``allocate_slots``/``fork``/``swap_in`` and
+  released by ``free``/``swap_out`` (deepest block first, so the deepest cached blocks are
+  evicted first).
+* A table only grows while its sequence is scheduled. Blocks holding a partially filled tail may be
+  shared after ``fork``; the first holder that writes into such a block gets a private copy first
+  (copy-on-write) and the (src, dst) pair is queued in ``pending_copies`` for the model runner,
+  which must perform queued copies before the step's forward pass writes any K/V.
+* A block is published to the prefix cache as soon as a scheduled step will fill it
+  (``allocate_slots``), so requests admitted in the same step already share it: the runner writes
+  every new token's K/V into the cache before any attention of that layer reads it. A block
+  filled by a decode step (one new token) is the exception: it is published when its sequence
+  lets go of its blocks (``free``: finish, abort, recompute preemption; ``swap_out``). Generated
+  tokens reach other requests only after a client has seen them, so in practice such a block is
+  looked up only after its sequence finished; hashing it at once would put hundreds of sha256
+  calls into the step where equal-length sequences fill a block together (the scheduler's worst
+  step) for no hit. Each block is still hashed exactly once.
+* Swapped sequences hold blocks of the CPU pool only; ``swap_out``/``swap_in`` return (src, dst)
+  moves that the runner performs before the forward pass (swap-outs first, then swap-ins, then CoW
+  copies: a block freed by a swap-out may be reused in the same step).
+* Sliding window (``CacheConfig.sliding_window``, set only when *every* layer of the model has
+  one): ``release_out_of_window`` drops the reference on each leading block that no future query
+  of the sequence can see, and puts ``RELEASED`` in its place. Tables stay positional (entry
+  ``i`` covers positions ``i * block_size ..``); the attention reads only positions inside the
+  window, so the placeholder's id is never read unmasked. A released block keeps its prefix hash
+  in the free queue like any freed block. With a model that mixes local and global layers
+  (Gemma 2/3) nothing is released: the global layers read every position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+
+from quire_engine.core.block_pool import Block, BlockPool, PoolStats
+from quire_engine.core.config import CacheConfig
+from quire_engine.core.sequence import Sequence
+
+# The table entry of a released leading block: not a pool block (no pool ever counts or frees it).
+# Its id 0 is a valid index for the attention kernels, which never read it unmasked.
+RELEASED = Block(0)
+# Block ids are C ints: 32 bits on every platform torch supports (the runner reads them as int32).
+assert array("i").itemsize == 4, "array('i') must hold int32 block ids"
+_NEVER = sys.maxsize  # publish_at of a table whose full blocks are queued in _unpublished
+
+
+class _Table:
+    """One sequence's device blocks (``blocks``) and their ids (``ids``, shared read-only with
+    scheduler outputs), plus how many leading blocks were already offered to the prefix cache.
+
+    ``ids`` is an ``array('i')`` (int32 machine words) rather than a list: the runner builds the
+    step's ``[num_seqs, max_blocks]`` block-table tensor by joining the tables' buffers
+    (microseconds for hundreds of sequences) instead of converting every id of every table from a
+    Python int each step, a cost that would grow with context length. Readers must not keep a
+    buffer view of it (``memoryview``, ``np.frombuffer`` without a copy): an array whose buffer
+    is exported cannot grow, and the table grows while its sequence runs.
+
+    ``capacity`` (slots held), ``publish_at`` (the token count that fills the next unpublished
+    block) and ``forked`` (whether any block may be shared with a sibling) are kept, and folded
+    into ``quiet_end`` (the longest the sequence may grow to with nothing to allocate, copy or
+    publish: 0 once forked, where a shared tail must be checked), so that the common decode
+    step of ``allocate_slots`` is one comparison."""
+
+    __slots__ = (
+        "block_size", "blocks", "capacity", "forked", "ids", "num_cached", "num_released",
+        "publish_at", "quiet_end",
+    )  # fmt: skip
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: list[Block] = []
+        self.ids: array[int] = array("i")
+        self.capacity = 0
+        self.forked = False
+        self.num_released = 0  # leading entries that are RELEASED
+        self.set_cached(0)
+
+    def live(self) -> list[Block]:
+        """The blocks this table holds a reference on, in table order."""
+        return self.blocks[self.num_released :]
+
+    def release_leading(self, num: int) -> list[Block]:
+        """Replace entries ``num_released .. num - 1`` by ``RELEASED``; returns the blocks
+        whose reference the caller must drop."""
+        dropped = self.blocks[self.num_released : num]
+        for i in range(self.num_released, num):
+            self.blocks[i] = RELEASED
+            self.ids[i] = RELEASED.block_id
+        self.num_released = max(self.num_released, num)
+        return dropped
+
+    def append(self, block: Block) -> None:
+        self.blocks.append(block)
+        self.ids.append(block.block_id)
+        self.capacity += self.block_size
+        self.settle()
+
+    def set_cached(self, num_cached: int) -> None:
+        self.num_cached = num_cached
+        self.publish_at = (num_cached + 1) * self.block_size
+        self.settle()
+
+    def settle(self) -> None:
+        """Recompute ``quiet_end``; called whenever capacity, publish_at or forked change."""
+        self.quiet_end = 0 if self.forked else min(self.capacity, self.publish_at - 1)
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
+    """Prefix hash of one full block: chains the parent hash, the block's tokens and extra keys.
+
+    sha256 rather than Python's ``hash`` so that two different prefixes never share K/V by a 64-bit
+    collision. ``extra`` (a tenant's cache salt) is folded into the first block only; the chain
+    carries it to every later block.
+    """
+    return hash_block_bytes(parent, memoryview(array("q", token_ids)).cast("B"), extra)
+
+
+def hash_block_bytes(parent: bytes | None, token_bytes: memoryview, extra: str | None) -> bytes:
+    """``hash_block`` over the block's token ids already laid out as int64 bytes: one sha256
+    call, no per-token conversion."""
+    data = (parent or b"") + token_bytes
+    if extra is not None:
+        data += b"\x00salt\x00" + extra.encode()
+    return hashlib.sha256(data).digest()
+
+
+def max_blocks_held(
+    num_tokens: int, max_step_tokens: int, block_size: int, sliding_window: int | None
+) -> int:
+    """The most device blocks one sequence of up to ``num_tokens`` tokens holds at once when
+    each step computes at most ``max_step_tokens`` of its tokens. Without a window: all of them.
+    With one: before a step of ``n`` tokens at position ``c`` the table holds the blocks of
+    positions ``c - window + 1 .. c - 1`` (the rest was released after earlier steps, and prefix
+    hits before the window are never taken); the step adds those of ``c .. c + n - 1``."""
+    full = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return full
+    span = min(max_step_tokens, num_tokens) + sliding_window - 1
+    return min(full, -(-span // block_size) + 1)
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.block_size = config.block_size
+        self.sliding_window = config.sliding_window
+        self.pool = BlockPool(config.num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
+        self._tables: dict[str, _Table] = {}
+        self._cpu_tables: dict[str, list[Block]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        # Sequences holding decode-filled blocks not yet published (see the module docstring).
+        self._unpublished: dict[str, tuple[Sequence, _Table]] = {}
+        # Counters in tokens, for quire_prefix_cache_queries_total / _hits_total.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_released = 0  # blocks released out of the window, over the manager's life
+
+    # ---- queries -------------------------------------------------------------------------
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        """A copy of a sequence's block ids, in table order."""
+        table = self._tables.get(seq_id)
+        return table.ids.tolist() if table is not None else []
+
+    def live_ids(self, seq_id: str) -> array[int]:
+        """The live id array of a sequence's table (what scheduler outputs carry); consumers
+        read it and never mutate it."""
+        table = self._tables.get(seq_id)
+        return table.ids if table is not None else array("i")
+
+    def ref_counts(self, seq_id: str) -> list[int]:
+        """Per table entry (0 for a released one)."""
+        table = self._tables.get(seq_id)
+        return [b.ref_count for b in table.blocks] if table is not None else []
+
+    def num_held(self, seq_id: str) -> int:
+        """Device blocks the sequence holds a reference on (released ones excluded)."""
+        table = self._tables.get(seq_id)
+        return len(table.blocks) - table.num_released if table is not None else 0
+
+    def cpu_block_ids(self, seq_id: str) -> list[int]:
+        """Positional, like a device table: a released entry shows ``RELEASED``'s id."""
+        return [b.block_id for b in self._cpu_tables.get(seq_id, [])]
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """``BlockPool.reset_prefix_cache`` of the device pool (the CPU pool caches nothing)."""
+        return self.pool.reset_prefix_cache()
+
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the sequence's first ``num_blocks`` full blocks (computed lazily, cached on
+        the sequence). Only blocks whose tokens are computed or being computed are asked for, and
+        such tokens are final: a sampled token is replaced (a fork taking another candidate) only
+        before it is first scheduled."""
+        hashes = seq.block_hashes
+        done = len(hashes)
+        if done >= num_blocks:
+            return hashes
+        bs = self.block_size
+        # The blocks' token ids as int64 machine words, converted in one call for all of them:
+        # each block's bytes are then one slice, not a per-token conversion.
+        words = array("q", seq.token_ids[done * bs : num_blocks * bs])
+        data = memoryview(words).cast("B")  # [(num_blocks - done) * bs * 8] bytes
+        step = bs * words.itemsize
+        for i in range(done, num_blocks):
+            parent = hashes[i - 1] if i else None
+            salt = None if i else seq.cache_salt
+            k = i - done
+            hashes.append(hash_block_bytes(parent, data[k * step : (k + 1) * step], salt))
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+    def computed_blocks(self, seq: Sequence) -> list[Block]:
+        """Longest chain of cached full blocks matching the sequence's tokens (not yet held).
+
+        At most ``num_tokens - 1`` tokens can hit: the last token is always recomputed because its
+        logits are needed to sample.
+        """
+        if not self.pool.enable_prefix_caching:
+            return []
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        hits: list[Block] = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed: list[Block] | None = None
+    ) -> array[int] | None:
+        """Make room for ``num_new_tokens`` tokens after ``seq.num_computed_tokens``.
+
+        ``computed`` are prefix-cache hits for a sequence that holds no blocks yet; they are taken
+        (ref + 1) and ``seq.num_computed_tokens`` advances past them. Returns the sequence's live
+        block-id array, or None, changing nothing, when the pool cannot supply the blocks.
+        """
+        table = self._tables.get(seq.seq_id)
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        if table is not None and end <= table.quiet_end and not computed:
+            return table.ids  # the common decode step: the slots exist, nothing to do
+        bs = self.block_size
+        if table is not None:
+            # Fast path: the slots exist and the tail block is private.
+            if (
+                end <= table.capacity
+                and not computed
+                and (
+                    not table.forked or start % bs == 0 or table.blocks[start // bs].ref_count == 1
+                )
+            ):
+                if end >= table.publish_at:  # this step fills a block: publish it
+                    if num_new_tokens == 1 and self.pool.enable_prefix_caching:
+                        self._unpublished[seq.seq_id] = (seq, table)
+                        table.publish_at = _NEVER  # queued once; _publish resets it
+                        table.settle()
+                    else:
+                        self._publish(seq, table, end // bs)
+                return table.ids
+            if num_new_tokens == 1 and start == table.capacity and not computed:
+                # Decode into a fresh block (every block_size steps per sequence): one private
+                # block, nothing shared to copy, nothing full to publish.
+                if not self.pool.num_free:
+                    return None
+                table.append(self.pool.allocate())
+                return table.ids
+            num_held = len(table.blocks)
+        else:
+            num_held = 0
+        computed = computed or []
+        if computed and (num_held or start):
+            raise ValueError("prefix hits can only be taken by a sequence holding no blocks")
+        if computed:
+            start = len(computed) * bs
+            end = start + num_new_tokens
+        needed = self.num_blocks_for(end) - num_held - len(computed)
+        # Writing into a shared, partially filled block needs one private copy first.
+        cow = (
+            table is not None
+            and start % bs != 0
+            and start // bs < num_held
+            and table.blocks[start // bs].ref_count > 1
+        )
+        # Hits wholly before the window of the first new token are not taken at all.
+        dead = self._num_dead(start) if computed else 0
+        revived = sum(1 for b in computed[dead:] if b.ref_count == 0)
+        if max(needed, 0) + cow + revived > self.pool.num_free:
+            return None
+
+        if table is None:
+            table = self._tables[seq.seq_id] = _Table(bs)
+        if computed:
+            for i, block in enumerate(computed):
+                if i < dead:
+                    table.append(RELEASED)
+                    table.num_released += 1
+                else:
+                    self.pool.touch(block)
+                    table.append(block)
+            seq.num_computed_tokens = start
+            table.set_cached(len(computed))
+        if cow:
+            i = start // bs
+            shared = table.blocks[i]
+            private = self.pool.allocate()
+            table.blocks[i] = private
+            table.ids[i] = private.block_id
+            self.pool.free([shared])
+            self.pending_copies.append((shared.block_id, private.block_id))
+        for _ in range(needed):
+            table.append(self.pool.allocate())
+        if end >= table.publish_at:
+            self._publish(seq, table, end // bs)
+        return table.ids
+
+    def note_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def _publish_unpublished(self, seq_id: str) -> None:
+        """Publish a sequence's decode-filled blocks before it lets go of them. Called between
+        steps, so every token counted in ``num_computed_tokens`` is written."""
+        entry = self._unpublished.pop(seq_id, None)
+        if entry is not None:
+            seq, table = entry
+            self._publish(seq, table, seq.num_computed_tokens // self.block_size)
+
+    def _publish(self, seq: Sequence, table: _Table, num_full: int) -> None:
+        """Offer the sequence's first ``num_full`` (full) blocks to the prefix cache."""
+        if num_full <= table.num_cached:
+            return
+        if self.pool.enable_prefix_caching:
+            hashes = self.block_hashes(seq, num_full)
+            for i in range(max(table.num_cached, table.num_released), num_full):
+                self.pool.cache_block(table.blocks[i], hashes[i])
+        table.set_cached(num_full)
+
+    def _num_dead(self, position: int) -> int:
+        """Leading blocks no query at ``position`` or later can see (it sees ``> p - window``)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """See :func:`max_blocks_held`."""
+        return max_blocks_held(num_tokens, max_step_tokens, self.block_size, self.sliding_window)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Drop the sequence's leading blocks that lie wholly before the window of its next
+        query (position ``num_computed_tokens``, which sees positions ``> p - window``); returns
+        how many were released. No-op without a sliding window. Call it after the sequence's
+        progress advances: positions only grow, so a released block is never needed again."""
+        table = self._tables.get(seq.seq_id)
+        if self.sliding_window is None or table is None:
+            return 0
+        num = self._num_dead(seq.num_computed_tokens)
+        if num <= table.num_released:
+            return 0
+        dropped = table.release_leading(min(num, len(table.blocks)))
+        self.pool.free(reversed(dropped))
+        self.num_released += len(dropped)
+        return len(dropped)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (ref + 1 each); writes diverge by CoW."""
+        if child.seq_id in self._tables or child.seq_id in self._cpu_tables:
+            raise ValueError(f"sequence {child.seq_id!r} already holds blocks")
+        src = self._tables.get(parent.seq_id)
+        if src is None:
+            raise ValueError(f"sequence {parent.seq_id!r} holds no device blocks to fork")
+        table = self._tables[child.seq_id] = _Table(self.block_size)
+        for block in src.blocks:
+            if block is not RELEASED:
+                self.pool.touch(block)
+            table.append(block)
+        table.num_released = src.num_released
+        table.set_cached(src.num_cached)
+        table.forked = src.forked = True  # writes into a shared tail block must copy first
+        table.settle()
+        src.settle()
+
+    def free(self, seq_id: str) -> None:
+        """Release everything the sequence holds, in any state (finish, abort, preemption)."""
+        self._publish_unpublished(seq_id)
+        table = self._tables.pop(seq_id, None)
+        if table is not None:
+            self.pool.free(reversed(table.live()))
+        cpu = self._cpu_tables.pop(seq_id, None)
+        if cpu is not None:
+            self.cpu_pool.free(reversed([b for b in cpu if b is not RELEASED]))
+
+    # ---- swap ----------------------------------------------------------------------------
+    def can_swap_out(self, seq_id: str) -> bool:
+        table = self._tables.get(seq_id)
+        return table is not None and len(table.live()) <= self.cpu_pool.num_free
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to the CPU pool; returns (device, cpu) copies. Released
+        entries stay released (positional) in the CPU table and move nothing."""
+        if not self.can_swap_out(seq_id):
+            raise ValueError(f"cannot swap out {seq_id!r}: not enough free CPU blocks")
+        self._publish_unpublished(seq_id)
+        table = self._tables.pop(seq_id)
+        live = table.live()
+        cpu = [self.cpu_pool.allocate() for _ in live]
+        self._cpu_tables[seq_id] = [RELEASED] * table.num_released + cpu
+        # Shared blocks stay on the device for their other holders; ours become free (and stay
+        # cached if full, so a later swap-in or request may still hit them).
+        self.pool.free(reversed(live))
+        return [(d.block_id, c.block_id) for d, c in zip(live, cpu, strict=True)]
+
+    def can_swap_in(self, seq_id: str, extra_blocks: int = 0) -> bool:
+        cpu = self._cpu_tables.get(seq_id)
+        if cpu is None:
+            return False
+        held = sum(1 for b in cpu if b is not RELEASED)
+        return held + extra_blocks <= self.pool.num_free
+
+    def swap_in(self, seq_id: str) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back into fresh device blocks; returns (cpu, device) copies."""
+        if not self.can_swap_in(seq_id):
+            raise ValueError(f"cannot swap in {seq_id!r}: not enough free device blocks")
+        cpu = self._cpu_tables.pop(seq_id)
+        table = self._tables[seq_id] = _Table(self.block_size)
+        moves = []
+        for c in cpu:
+            if c is RELEASED:
+                table.append(RELEASED)
+                table.num_released += 1
+            else:
+                table.append(self.pool.allocate())
+                moves.append((c.block_id, table.blocks[-1].block_id))
+        self.cpu_pool.free(reversed([b for b in cpu if b is not RELEASED]))
+        return moves
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

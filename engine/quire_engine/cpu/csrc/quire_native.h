@@ -1,0 +1,216 @@
+/* What the native CPU kernels share: each kernel's entry point (so that a kernel calling another
+ * is checked against its definition) and the inline math they all use.
+ *
+ * Compiled into one shared library by quire_engine/cpu/native.py, which also hashes this
+ * header into the library's cache key.
+ */
+#ifndef QUIRE_NATIVE_H
+#define QUIRE_NATIVE_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* csrc/paged_decode.c */
+int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const float *k,
+                       const float *v, const int64_t *rows, const int32_t *tables,
+                       int64_t table_stride, const int64_t *lens, int64_t n, int64_t block_size,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+                       int64_t window, float softcap, float *out, int64_t num_threads);
+
+/* csrc/skinny_linear.c */
+void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
+                         const float *bias, int64_t N, int64_t K, float *y, int64_t y_stride,
+                         int64_t num_threads);
+
+/* exp(x) for x <= 0 (a softmax numerator), written so that the compiler vectorizes it: libm's
+ * expf is a call per element, a quarter of this kernel's time. Range reduction x = n ln2 + r with
+ * n = round(x / ln2) (adding and subtracting 1.5 * 2^23 rounds to nearest), |r| <= ln2 / 2, ln2
+ * split in two constants (the high part exact in float); exp(r) by its degree-7 Taylor expansion
+ * (truncation ~2e-9 relative at |r| = 0.35, below float rounding); 2^n assembled in the exponent
+ * bits. Over every float in [-87, 0]: within 1 ulp of glibc's expf, relative error <= 1.1e-7.
+ * Below -87.3 the result would be a denormal, so 0 (a weight under 1e-38 of the row's maximum);
+ * NaN stays NaN, so a broken model still shows. The selects vectorize only when the compiler
+ * may assume floating-point operations do not trap (-fno-trapping-math, set by native.py). */
+static inline float exp_nonpositive(float x)
+{
+    const float clamped = x < -87.3f ? -87.3f : x;
+    const float shifted = clamped * 1.44269504088896341f + 12582912.0f;
+    const float n = shifted - 12582912.0f;
+    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* The low mantissa bits of `shifted` hold n (as 0x4B400000 + n): move it to the exponent. */
+    union {
+        float f;
+        uint32_t i;
+    } bits = {.f = shifted};
+    /* Unsigned: for a NaN x the bits are garbage (discarded below), and signed overflow or a
+     * shift of a negative value would be undefined behaviour. */
+    bits.i = (bits.i - 0x4B400000u + 127u) << 23;
+    const float value = p * bits.f;
+    return x != x ? x : (x < -87.3f ? 0.0f : value);
+}
+
+/* Vectors of LANES floats for the kernels' inner loops (GCC/clang vector extensions): one
+ * AVX-512 register where the CPU has them (16 lanes), else one AVX register or two NEON
+ * registers (8 lanes). Why 16 where it can: a Zen 5 core issues two 512-bit multiply-adds per
+ * cycle, twice the floats of two 256-bit ones (MKL's AVX2 kernels on AMD reach 83-88 GFLOP/s
+ * there, oneDNN's AVX-512 ones 185-198), and every kernel here issues half the instructions for
+ * the same floats. The lane count sets the summation order of every dot product (lane l sums
+ * elements l, l + LANES, ...), so results differ by rounding between an AVX-512 and an AVX2
+ * build; within one build the order depends on nothing else (batch invariance holds). A source
+ * file defining QUIRE_LANES_8 before including this header gets 8 lanes anyway (for A/B builds:
+ * each kernel's order is its own, so its files may differ in this). */
+#if defined(__AVX512F__) && !defined(QUIRE_LANES_8)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+
+/* Every lane v. */
+static inline vec vec_splat(float v)
+{
+    return (vec){0} + v;
+}
+
+static inline vec vec_load(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* acc + a * b, one rounding per lane where the CPU has fused multiply-add, two elsewhere:
+ * written out rather than left to the compiler's contraction (-ffp-contract), which may fuse in
+ * one loop and not in another (in skinny_linear.c, that would break the batch invariance). */
+static inline vec vec_madd(vec acc, vec a, vec b)
+{
+#if LANES == 16
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__AVX__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+/* acc + a * b on 8 lanes, as vec_madd (an AVX register also in an AVX-512 build). */
+static inline vec8 vec8_madd(vec8 acc, vec8 a, vec8 b)
+{
+#if defined(__AVX__) && defined(__FMA__)
+    return (vec8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline vec8 vec8_load(const float *p)
+{
+    vec8 v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* With 16 lanes, the first step of every lane sum: lane i plus lane i + 8, as one vector of 8.
+ * A kernel may keep a 16-lane accumulator as two 8-lane halves (lanes 0-7 and 8-15: the same
+ * multiply-adds on the same lanes, so the same bits) and add them itself: `lo + hi`. */
+static inline vec8 vec_fold(vec a)
+{
+#if LANES == 16
+    const __m512 z = (__m512)a;
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
+    return (vec8)_mm256_add_ps(_mm512_castps512_ps256(z), hi);
+#else
+    return a;
+#endif
+}
+
+static inline float vec8_sum(vec8 a)
+{
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+static inline float lanes_sum(vec v)
+{
+    return vec8_sum(vec_fold(v));
+}
+
+/* vec8_sum of `count` vectors into s[0 .. count): with AVX four at a time, the same additions
+ * in vector form (the low and high halves lane by lane, then two horizontal adds of adjacent
+ * pairs), so the same bits as vec8_sum one by one. */
+static inline __attribute__((always_inline)) void vec8_sums(const vec8 *a, const int count,
+                                                            float *s)
+{
+    int c = 0;
+#if defined(__AVX__)
+    for (; c + 4 <= count; c += 4) {
+        __m128 h[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m256 v = (__m256)a[c + i];
+            h[i] = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        }
+        _mm_storeu_ps(s + c, _mm_hadd_ps(_mm_hadd_ps(h[0], h[1]), _mm_hadd_ps(h[2], h[3])));
+    }
+#endif
+    for (; c < count; c++)
+        s[c] = vec8_sum(a[c]);
+}
+
+/* The lane sums of `count` (at most 32) accumulators into s[0 .. count), each in lanes_sum's
+ * order. */
+static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, const int count,
+                                                             float *s)
+{
+    vec8 folded[32];
+#pragma GCC unroll 32
+    for (int c = 0; c < count; c++)
+        folded[c] = vec_fold(acc[c]);
+    vec8_sums(folded, count, s);
+}
+
+/* Asks for the 64-byte line at p to be brought into the second-level cache, ahead of its use
+ * (locality 2: prefetcht1 on x86, PRFM PLDL2KEEP on Arm). Both kernels stream data that the
+ * hardware prefetcher does not fetch early enough on its own (W several rows at a time, K/V
+ * blocks anywhere in the pool). Why L2 and not L1 or non-temporal: on a Zen 4 core, with the
+ * same lines requested at the same points, locality 3 (prefetcht0, into L1) or 0 (prefetchnta,
+ * which the few-row matmul used) took 1.4-1.7x the time of this at 2-8 rows of x in
+ * skinny_linear.c, and the K/V reads of paged_decode.c (locality 3) 1.3-1.4x (C harnesses
+ * linking both versions, alternating); localities 1 and 2 were the same. In the engine's own
+ * decode steps (benchmarks/native_ab.py on the offline 32m workload, every step run by both
+ * builds in turn, the one-row matmuls now prefetching too): 0.79x the time at one sequence,
+ * 0.67x at 2-4, 0.70x at 5-16, 0.85x at 17-32, 0.92x at 33-64. Our reading: a request into L1
+ * holds one of the core's few L1 miss buffers until its line arrives, one into L2 does not. */
+static inline void prefetch_l2(const void *p)
+{
+#if defined(__GNUC__)
+    __builtin_prefetch(p, 0, 2);
+#else
+    (void)p;
+#endif
+}
+
+/* Keeps v in a register. Without it GCC folds the load of an x vector into every multiply-add
+ * that uses it, loading it NW times: 14 loads for the 12 multiply-adds of a 6 x 2 tile, and the
+ * load ports, not the multiply-adds, bound the tile. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && LANES == 16
+#define IN_REGISTER(v) __asm__("" : "+v"(v)) /* any of the 32 vector registers */
+#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
+
+#endif

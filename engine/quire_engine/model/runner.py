@@ -1,0 +1,366 @@
+"""The only bridge between the pure-Python control side and tensors.
+
+Owns the model and the KV cache tensors (device pool and CPU swap pool). Each ``execute`` call takes
+a ``SchedulerOutput``, performs its block moves (swap-outs, swap-ins, then copy-on-write copies, in
+that order, before any K/V of the step is written), packs the step's new tokens of every sequence
+into one row, runs the forward pass with paged attention and returns the logits of the sequences
+that sample this step. On CPU a pure decode step of a few sequences of a Llama-shaped model runs
+as one native call instead of the model's modules (``cpu/decoder``), on the same pools.
+
+Pool sizing (``size_pool``): an explicit ``num_blocks`` or ``kv_cache_memory`` wins; otherwise on
+CUDA the pool gets ``total_memory * gpu_memory_utilization`` minus the weights and the activation
+peak of a profiling forward pass at ``max_num_batched_tokens``; on CPU a fixed default budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter, itemgetter
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from quire_engine.core.scheduler import SchedulerOutput
+from quire_engine.cpu import decoder as decoder_cpu
+from quire_engine.cpu import linear as linear_cpu
+from quire_engine.cpu import native
+from quire_engine.cpu.paged_attention import CpuAttentionPlan
+from quire_engine.kernels import triton_usable
+from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
+from quire_engine.model import attention
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU backend default KV space (it uses 4 GiB)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        # K and V, every layer: 2 * layers * kv_heads * head_dim * dtype_bytes.
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, block_size: int, dtype: torch.dtype) -> CacheShape:
+        cfg: Any = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        shape: CacheShape,
+        *,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        device: torch.device,
+        layers: Sequence[attention.LayerAttention] = (),
+    ) -> None:
+        """``layers``: every layer's attention as ``attention.inspect_layers`` audited it
+        (the loader's ``LoadedModel.layers``); without it the native decoder stays off."""
+        attention.register()
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+        self.model = model
+        self.shape = shape
+        self.device = device
+        self.use_triton = triton_usable(device)
+        # CPU decode attention through the native kernel when it builds (fp32 pools only; it
+        # logs why not otherwise): it reads blocks in place instead of gathering them.
+        self.native_decode = (
+            native.paged_decode()
+            if device.type == "cpu" and not self.use_triton and shape.dtype == torch.float32
+            else None
+        )
+        # Matmuls of a few rows (small-batch decode) through the native kernel on CPU: the BLAS
+        # packs each weight before using it, the kernel streams it once. fp32 weights only.
+        self.native_linears = 0
+        if device.type == "cpu" and not self.use_triton:
+            kernel = native.skinny_linear()
+            if kernel is not None:
+                self.native_linears = linear_cpu.install(model, kernel)
+        block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
+        # Zero-initialised: padded reads past a sequence's end must see finite values.
+        # Per layer: [num_blocks, block_size, kv_heads, head_dim].
+        self.k_caches = [
+            torch.zeros((num_blocks, *block), dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+        pin = device.type == "cuda"
+        self.cpu_k_caches = [
+            torch.zeros((num_cpu_blocks, *block), dtype=shape.dtype, pin_memory=pin)
+            for _ in range(shape.num_layers if num_cpu_blocks else 0)
+        ]
+        self.cpu_v_caches = [torch.zeros_like(k) for k in self.cpu_k_caches]
+        self._kv_pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+        # Pure decode steps of a few sequences as one native call (cpu/decoder.py)
+        # where the model is Llama-shaped; every other step runs the model's modules.
+        self._layers = tuple(layers)
+        self.decoder: decoder_cpu.DecoderStack | None = None
+        if self.native_linears and self.native_decode is not None and self._layers:
+            self.decoder = self._build_decoder()
+        # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
+        # no-op costing a dispatcher round trip per input per step).
+        self._put: Callable[[np.ndarray], torch.Tensor] = (
+            torch.from_numpy
+            if device.type == "cpu"
+            else lambda a: torch.from_numpy(a).to(device, non_blocking=True)
+        )
+
+    def _build_decoder(self) -> decoder_cpu.DecoderStack | None:
+        kernel = native.decoder_decode()
+        if kernel is None:
+            return None
+        built = decoder_cpu.DecoderStack.build(
+            self.model, self._layers, self.k_caches, self.v_caches, self.shape.block_size, kernel
+        )
+        if isinstance(built, str):
+            logger.info("native decoder off for this model (module path only): %s", built)
+            return None
+        return built
+
+    def _native_step(self, x: StepInputs) -> torch.Tensor | None:
+        """The step through the native decoder when it applies (see ``decoder_cpu``), else
+        None. The stack is rebuilt, or dropped, when the model changed since (``current``)."""
+        stack = self.decoder
+        num_seqs = len(x.counts)
+        if (
+            stack is None
+            or stack.model is not self.model  # e.g. bench step's stand-in forward
+            or x.max_query_len != 1
+            or len(x.sample_rows) != num_seqs
+            or num_seqs > decoder_cpu.MAX_ROWS
+        ):
+            return None
+        if not stack.current():
+            stack = self.decoder = self._build_decoder()
+            if stack is None:
+                return None
+        return stack.decode(x.input_ids, x.positions, x.slots, x.tables, x.seq_lens)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns float32 logits [num_sampling_seqs, vocab] in batch order."""
+        self._move_blocks(out)
+        x = build_step_inputs(out)
+        native_logits = self._native_step(x)
+        if native_logits is not None:
+            return native_logits
+        dev = self.device
+        cpu_plan = None
+        if dev.type == "cpu" and not self.use_triton:
+            shape = self.shape
+            cpu_plan = CpuAttentionPlan.lazy(
+                slots=x.slots,
+                block_tables=x.tables,
+                seq_lens=x.seq_lens,
+                query_start_loc=x.qsl,
+                block_size=shape.block_size,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                native=self.native_decode,
+                num_threads=torch.get_num_threads(),
+            )
+        put = self._put
+        md = attention.AttentionMetadata(
+            kv_caches=self._kv_pairs,
+            slot_mapping=put(x.slots),
+            block_tables=put(x.tables),
+            seq_lens=put(x.seq_lens.astype(np.int32)),
+            query_start_loc=put(x.qsl.astype(np.int32)),
+            max_query_len=x.max_query_len,
+            max_seq_len=int(x.seq_lens.max()),
+            use_triton=self.use_triton,
+            cpu_plan=cpu_plan,
+        )
+        result = self.model(
+            input_ids=put(x.input_ids).unsqueeze(0),
+            position_ids=put(x.positions).unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=put(x.sample_rows),
+            quire_metadata=md,
+        )
+        return result.logits[0].float()  # [num_sampling_seqs, vocab]
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        # Order matters: a block freed by a swap-out may be a swap-in or CoW destination.
+        if out.swap_out:
+            swap_blocks(
+                self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, out.swap_out
+            )
+        if out.swap_in:
+            swap_blocks(
+                self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, out.swap_in
+            )
+        if out.block_copies:
+            copy_blocks(self.k_caches, self.v_caches, out.block_copies)
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """Host arrays of one step, all in batch order (``T`` new tokens of ``S`` sequences)."""
+
+    counts: np.ndarray  # int64 [S]: new tokens per sequence
+    qsl: np.ndarray  # int64 [S + 1]: query start locations (cumulative counts)
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]: block_id * block_size + offset
+    tables: np.ndarray  # int32 [S, max_blocks], zero-padded
+    input_ids: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int64 [S]: context length after the step
+    sample_rows: np.ndarray  # int64 [rows]: index in T of each sampled token
+    max_query_len: int  # the most new tokens of one sequence
+
+
+def build_step_inputs(out: SchedulerOutput) -> StepInputs:
+    """Vectorized: one pass over the sequences in Python (their token ids and block tables are
+    Python lists), everything else in numpy, so a step of hundreds of decode sequences costs
+    tens of microseconds here rather than one slice and one row copy per sequence."""
+    num_seqs = len(out.seqs)
+    starts = np.fromiter(out.start_positions, dtype=np.int64, count=num_seqs)
+    decode = all(out.samples) and sum(out.num_new_tokens) == num_seqs
+    if decode:
+        # Pure decode: one token per sequence, its last known one (it samples, so the step ends
+        # there), at its start position. Read through C-level getters: no Python frame per row.
+        num_tokens = num_seqs
+        counts = np.ones(num_seqs, dtype=np.int64)
+        qsl = np.arange(num_seqs + 1, dtype=np.int64)
+        positions = starts
+        seq_index = qsl[:-1]
+        sample_rows = seq_index  # every sequence samples its only token
+        max_query_len = 1
+        input_ids = np.fromiter(
+            map(_last, map(_token_ids, out.seqs)), dtype=np.int64, count=num_tokens
+        )
+    else:
+        counts = np.fromiter(out.num_new_tokens, dtype=np.int64, count=num_seqs)
+        num_tokens = int(counts.sum())
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        # Positions of every new token: start of its sequence + offset within the step.
+        seq_index = np.repeat(np.arange(num_seqs), counts)
+        positions = starts[seq_index] + (np.arange(num_tokens) - qsl[:-1][seq_index])
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                seq.token_ids[s : s + n]
+                for seq, s, n in zip(out.seqs, out.start_positions, out.num_new_tokens, strict=True)
+            ),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+        sample_rows = (qsl[1:] - 1)[np.fromiter(out.samples, dtype=bool, count=num_seqs)]
+        max_query_len = int(counts.max())
+    tables = _pad_tables(out.block_tables)  # [num_seqs, max_blocks]
+    bs = out.block_size
+    slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    return StepInputs(
+        counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows,
+        max_query_len,
+    )  # fmt: skip
+
+
+_token_ids = attrgetter("token_ids")
+_last = itemgetter(-1)
+
+
+def _pad_tables(tables: list[array[int]]) -> np.ndarray:
+    """``[num_seqs, max_blocks]`` int32, zero-padded (padding id 0 is never read). The tables
+    are int32 arrays: their buffers are joined in one C call and scattered under a length mask,
+    so no block id passes through a Python int here."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lens.max())
+    flat = np.frombuffer(b"".join(tables), dtype=np.int32)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    out[np.arange(width) < lens[:, None]] = flat  # row-major mask order = concatenation order
+    return out
+
+
+def size_pool(
+    *,
+    shape: CacheShape,
+    device: torch.device,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+    profile_peak_bytes: int | None,
+    min_tokens: int,
+    min_blocks: int | None = None,
+) -> int:
+    """Number of device blocks; ``ValueError`` naming the numbers when not even one sequence of
+    ``min_tokens`` (max_model_len) fits: ``min_blocks`` blocks (default: all its tokens' worth;
+    fewer with a sliding window, whose sequences hold only the window's blocks)."""
+    per_block = shape.bytes_per_block
+    if num_blocks is not None:
+        source = f"num_blocks={num_blocks}"
+        blocks = num_blocks
+    elif kv_cache_memory is not None:
+        blocks = kv_cache_memory // per_block
+        source = f"kv_cache_memory={kv_cache_memory} bytes"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        peak = profile_peak_bytes or 0
+        budget = int(total * gpu_memory_utilization) - peak
+        blocks = max(budget, 0) // per_block
+        source = (
+            f"{total / 2**30:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization} "
+            f"- {peak / 2**30:.2f} GiB weights and activation peak = {budget / 2**30:.2f} GiB"
+        )
+    else:
+        blocks = CPU_DEFAULT_KV_BYTES // per_block
+        source = f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB"
+    needed = -(-min_tokens // shape.block_size) if min_blocks is None else min_blocks
+    if blocks < needed:
+        raise ValueError(
+            f"no memory left for the KV cache: {source} gives {blocks} blocks of "
+            f"{shape.block_size} tokens ({per_block} bytes each), but one sequence of "
+            f"max_model_len={min_tokens} tokens needs {needed}; lower max_model_len or give the "
+            f"cache more memory"
+        )
+    return blocks
+
+
+def profile_peak_memory(
+    model: PreTrainedModel, num_tokens: int, num_logit_rows: int, device: torch.device
+) -> int:
+    """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens that
+    computes ``num_logit_rows`` rows of logits (one per sequence that may sample in a step).
+
+    The paged cache does not exist yet, so attention is replaced by one that outputs zeros
+    (``attention.register_profiling``): the activation peak of the MLP and logits dominates, and
+    the paged kernels hold no [T, T] scores. (SDPA would refuse Gemma 2; eager would count a
+    [heads, T, T] matrix the engine never builds.)"""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    impl = model.config._attn_implementation
+    model.set_attn_implementation(attention.register_profiling())
+    try:
+        with torch.inference_mode():
+            ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+            rows = torch.arange(min(num_logit_rows, num_tokens), device=device)
+            model(input_ids=ids, use_cache=False, logits_to_keep=rows)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    finally:
+        model.set_attn_implementation(impl)
+        torch.cuda.empty_cache()
