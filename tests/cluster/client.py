@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kubernetes import client, config
+
+from tests.waiting import wait_until
 
 from .build import Binaries
 from .launcher import ControlPlane
@@ -100,13 +101,6 @@ def wait_for(
     On timeout the AssertionError names ``what`` and the last value fetched, so a failing test
     says what it waited for and what it saw instead of just "timeout".
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fetch()
-        if until(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout_s}s waiting for {what}; last seen: {value!r}"
-            )
-        time.sleep(interval_s)
+    return wait_until(
+        fetch, timeout=timeout_s, interval=interval_s, message=f"waiting for {what}", until=until
+    )

@@ -14,9 +14,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from tests import waiting
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -121,27 +122,27 @@ def wait_until(
     interval_s: float = 0.1,
 ) -> None:
     """Poll ``check`` until it is true; fail fast (with logs) if a watched process exits."""
-    deadline = time.monotonic() + timeout_s
-    last_error = ""
-    while True:
+
+    def alive_and_done() -> bool:
         for proc in watch:
             if proc.exited() is not None:
                 raise ClusterError(
                     f"{proc.name} exited while waiting for {what}\n{proc.describe_failure()}"
                 )
-        try:
-            if check():
-                return
-        except OSError as exc:  # connection refused, TLS not up yet, HTTP errors
-            last_error = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() > deadline:
-            logs = "\n".join(proc.describe_failure(20) for proc in watch)
-            raise ClusterError(
-                f"timed out after {timeout_s:.0f}s waiting for {what}"
-                + (f" (last error: {last_error})" if last_error else "")
-                + f"\n{logs}"
-            )
-        time.sleep(interval_s)
+        return check()
+
+    def logs() -> str:
+        return f"waiting for {what}\n" + "\n".join(proc.describe_failure(20) for proc in watch)
+
+    # OSError: connection refused, TLS not up yet, HTTP errors (the last one is reported).
+    waiting.wait_until(
+        alive_and_done,
+        timeout=timeout_s,
+        interval=interval_s,
+        message=logs,
+        ignore=(OSError,),
+        error=ClusterError,
+    )
 
 
 def shm_dir() -> Path | None:

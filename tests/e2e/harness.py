@@ -27,6 +27,7 @@ from tests.cluster.addons import AutoscalingStack
 from tests.cluster.client import ClusterHandle
 from tests.e2e.load import Load
 from tests.e2e.pod_runner import PodRunner
+from tests.waiting import wait_until
 
 logger = logging.getLogger("quire.e2e")
 T = TypeVar("T")
@@ -80,14 +81,9 @@ class Timeline:
 
 def poll(what: str, fetch: Callable[[], T], until: Callable[[T], bool], timeout_s: float) -> T:
     """``fetch()`` every 0.5 s until ``until`` holds; AssertionError with the last value."""
-    deadline = time.monotonic() + timeout_s
-    value = fetch()
-    while not until(value):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}: {value!r}")
-        time.sleep(0.5)
-        value = fetch()
-    return value
+    return wait_until(
+        fetch, timeout=timeout_s, interval=0.5, message=f"waiting for {what}", until=until
+    )
 
 
 @dataclass

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.e2e.harness import STEP_TIMEOUT_S, Scenario
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -52,23 +53,32 @@ def burst_until_scaled(s: Scenario) -> tuple[float, float, float | None]:
     s.start_load(concurrency=CLIENTS, prompt_len=16, max_tokens=MAX_TOKENS)
     started = time.monotonic()
     first_preemption = None
-    deadline = started + STEP_TIMEOUT_S
-    while time.monotonic() < deadline:
+
+    def decided() -> tuple[float, float] | None:
+        """(seconds to the decision, preemptions by then) once the HPA wants 2 replicas; notes
+        the first preemption on the way."""
+        nonlocal first_preemption
         preempted = s.preemptions()
         if first_preemption is None and preempted > 0:
             first_preemption = time.monotonic() - started
             s.timeline.mark("first preemption")
-        if s.desired_replicas() >= 2:
-            decided = time.monotonic() - started
-            usage = s.per_pod("quire_kv_cache_usage_ratio")
-            demand = s.per_pod("quire_kv_cache_demand_ratio")
-            s.timeline.mark(
-                f"scaling decision {decided:.1f}s after the burst: preemptions={preempted:g}, "
-                f"usage={list(usage.values())}, demand={list(demand.values())}"
-            )
-            return decided, preempted, first_preemption
-        time.sleep(0.5)
-    raise AssertionError(f"{s.name}: no scale-out within {STEP_TIMEOUT_S:.0f}s of the burst")
+        if s.desired_replicas() < 2:
+            return None
+        return time.monotonic() - started, preempted
+
+    decided_s, preempted = wait_until(
+        decided,
+        timeout=STEP_TIMEOUT_S,
+        interval=0.5,
+        message=f"{s.name}: no scale-out within {STEP_TIMEOUT_S:.0f}s of the burst",
+    )
+    usage = s.per_pod("quire_kv_cache_usage_ratio")
+    demand = s.per_pod("quire_kv_cache_demand_ratio")
+    s.timeline.mark(
+        f"scaling decision {decided_s:.1f}s after the burst: preemptions={preempted:g}, "
+        f"usage={list(usage.values())}, demand={list(demand.values())}"
+    )
+    return decided_s, preempted, first_preemption
 
 
 def first_scrape(s: Scenario, series: str, least: float) -> float | None:
@@ -87,10 +97,13 @@ def test_kv_demand_reaches_its_target_before_usage_and_before_the_first_preempti
     demand_decided, demand_preempted, demand_first = burst_until_scaled(demand)
     # Scrapes go on while the load runs: wait for one that records the pool past the usage target
     # (a preemption may or may not have come by then), so the record holds both crossings.
-    deadline = time.monotonic() + STEP_TIMEOUT_S
-    while first_scrape(demand, "quire_kv_cache_usage_ratio", TARGET) is None:
-        assert time.monotonic() < deadline, "usage never reached the target in the demand run"
-        time.sleep(0.5)
+    wait_until(
+        lambda: first_scrape(demand, "quire_kv_cache_usage_ratio", TARGET),
+        until=lambda at: at is not None,
+        timeout=STEP_TIMEOUT_S,
+        interval=0.5,
+        message="usage never reached the target in the demand run",
+    )
     demand_at = first_scrape(demand, "quire_kv_cache_demand_ratio", TARGET)
     usage_at = first_scrape(demand, "quire_kv_cache_usage_ratio", TARGET)
     preempted_at = first_scrape(demand, "quire_preemptions_total", 1)

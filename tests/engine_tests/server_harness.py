@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from quire_engine.engine.async_engine import AsyncEngine
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.server.app import ServerSettings, create_app
 from quire_engine.server.drain import Drain
+from tests.waiting import wait_until
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -75,11 +75,7 @@ class RunningServer:
         return self.metrics()[(name, tuple(sorted(labels.items())))]
 
     def wait_until(self, predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not after {timeout} s")
-            time.sleep(0.02)
+        wait_until(predicate, timeout=timeout, interval=0.02, message=what)
 
     def wait_until_ready(self) -> None:
         self.wait_until(lambda: httpx2.get(f"{self.url}/ready").status_code == 200, "ready")
@@ -176,16 +172,18 @@ class EngineProcess:
         return self.log_path.read_text()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def ready() -> bool:
             assert self.process.poll() is None, self.log()
-            try:
-                if httpx2.get(f"{self.url}/ready").status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-            assert time.monotonic() < deadline, self.log()
-            time.sleep(0.1)
+            return httpx2.get(f"{self.url}/ready").status_code == 200
+
+        wait_until(
+            ready,
+            timeout=timeout,
+            interval=0.1,
+            message=lambda: f"{self.url}/ready\n{self.log()}",
+            ignore=(httpx2.TransportError,),
+        )
 
     def wait_exit(self, timeout: float = 60.0) -> int:
         try:

@@ -25,6 +25,7 @@ from tests.engine_tests.server_harness import (
     sse_payloads,
     tiny_settings,
 )
+from tests.waiting import wait_until
 
 STREAMS = 16
 
@@ -67,12 +68,13 @@ def assert_refuses_new_work(proc: EngineProcess) -> None:
     def ready_status() -> int:
         return httpx2.get(f"{proc.url}/ready").status_code
 
-    proc_deadline = 30.0
-    waited = 0.0
-    while ready_status() != 503:  # at once, in practice: the first poll
-        assert waited < proc_deadline, proc.log()
-        waited += 0.02
-        threading.Event().wait(0.02)
+    wait_until(  # at once, in practice: the first poll
+        ready_status,
+        until=lambda status: status == 503,
+        timeout=30.0,
+        interval=0.02,
+        message=lambda: f"/ready never turned 503\n{proc.log()}",
+    )
     assert httpx2.get(f"{proc.url}/health").status_code == 200  # draining, not dead
     refused = httpx2.post(f"{proc.base_url}/completions", json={"prompt": "late", "max_tokens": 2})
     assert refused.status_code == 503, refused.text

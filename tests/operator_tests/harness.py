@@ -14,7 +14,6 @@ import contextlib
 import re
 import shutil
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
+from tests.waiting import wait_until
 
 
 class OperatorProcess:
@@ -51,36 +51,32 @@ class OperatorProcess:
 
     def wait_healthy(self, timeout_s: float = 60) -> None:
         """Until kopf's liveness endpoint answers 200 (startup done, watches starting)."""
-        deadline = time.monotonic() + timeout_s
         url = f"http://127.0.0.1:{self.port}/healthz"
-        while True:
+
+        def healthy() -> bool:
             if self.process.exited() is not None:
                 raise AssertionError(f"{self.name} exited during startup\n{self.describe()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{self.name} not healthy after {timeout_s}s\n{self.describe()}"
-                )
-            time.sleep(0.2)
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return bool(response.status == 200)
+
+        wait_until(
+            healthy,
+            timeout=timeout_s,
+            interval=0.2,
+            message=lambda: f"{self.name} not healthy\n{self.describe()}",
+            ignore=(urllib.error.URLError, OSError),
+        )
 
     def wait_for_log(self, pattern: str, timeout_s: float = 30) -> re.Match[str]:
         """Until a line of the log matches ``pattern`` (a regex); returns the match."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            match = re.search(pattern, self.log(), re.MULTILINE)
-            if match is not None:
-                return match
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{self.name}'s log has no line matching {pattern!r} after {timeout_s}s\n"
-                    + self.describe()
-                )
-            time.sleep(0.2)
+        return wait_until(
+            lambda: re.search(pattern, self.log(), re.MULTILINE),
+            timeout=timeout_s,
+            interval=0.2,
+            message=lambda: (
+                f"{self.name}'s log has no line matching {pattern!r}\n" + self.describe()
+            ),
+        )
 
     def kill(self) -> None:
         """SIGKILL: a crash, no goodbye to the peering object, no cleanup."""

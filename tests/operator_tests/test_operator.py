@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from typing import Any
 
 import pytest
@@ -425,7 +424,15 @@ def test_two_operators_do_not_fight(
     live = deployment(cluster, namespace)
     managed = live["metadata"]["managedFields"]
     assert {m["manager"] for m in managed if m["operation"] == "Apply"} == {meta.FIELD_MANAGER}
-    time.sleep(3)
+    # Three more resync passes (what 3 s held at --resync-seconds 1), each re-applying the spec:
+    # a pass logs as it starts, so a fourth start means three have finished.
+    resyncs = active.log().count("resync: reconciling")
+    wait_for(
+        "three more resync passes of the active operator",
+        lambda: active.log().count("resync: reconciling"),
+        lambda seen: seen >= resyncs + 4,
+        timeout_s=30,
+    )
     assert (
         deployment(cluster, namespace)["metadata"]["generation"] == live["metadata"]["generation"]
     )
