@@ -7,8 +7,8 @@ by tests/operator_tests/ and tests/e2e/ so a session starts one control plane.
   controller manager, scheduler and kwok once per session, and stops them at the end.
 - ``namespace`` (function): a fresh namespace per test, deleted afterwards.
 - ``crds`` (session): the repository's CRDs (crds/) applied with kubectl and Established.
-- ``operators`` (function): starts ``quire-operator`` processes (``harness.Operators``) scoped to
-  the test's namespace by default, and stops them all after the test.
+- ``operators`` (function): starts ``quire-operator`` processes (``operator_process.Operators``)
+  scoped to the test's namespace by default, and stops them all after the test.
 
 Policy: locally, a machine without Go (and without cached binaries) skips the cluster tests
 with the reason; under ``CI=true`` the same situation fails them, because CI must never pass
@@ -30,7 +30,7 @@ from tests.cluster import Binaries, ControlPlane, GoUnavailable, ensure_binaries
 
 if TYPE_CHECKING:
     from tests.cluster.client import ClusterHandle
-    from tests.operator_tests.harness import GarbageCollectorProbe, Operators
+    from tests.operator_tests.operator_process import GarbageCollectorProbe, Operators
 
 # The running control plane, so the report hook below can attach its logs to failures.
 _ACTIVE: ControlPlane | None = None
@@ -105,8 +105,8 @@ def namespace(cluster: ClusterHandle) -> Iterator[str]:
 def crds(cluster: ClusterHandle) -> Iterator[GarbageCollectorProbe]:
     """The InferenceService and kopf peering CRDs, applied the way a person would; yields the
     probe that tells when garbage collection through InferenceService owners works."""
-    from tests.operator_tests.harness import GarbageCollectorProbe
     from tests.operator_tests.helpers import CRD_PATH, PEERING_CRD_PATH
+    from tests.operator_tests.operator_process import GarbageCollectorProbe
 
     files = [arg for path in (CRD_PATH, PEERING_CRD_PATH) for arg in ("-f", str(path))]
     applied = cluster.kubectl("apply", "--server-side", "--force-conflicts", *files)
@@ -129,7 +129,7 @@ def operators(
 ) -> Iterator[Operators]:
     """Operator processes for this test (scoped to its namespace unless told otherwise)."""
     global _OPERATORS
-    from tests.operator_tests.harness import Operators
+    from tests.operator_tests.operator_process import Operators
 
     started = Operators(cluster, namespace, tmp_path)
     _OPERATORS = started

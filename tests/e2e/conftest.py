@@ -8,8 +8,8 @@
   ``CI=true``.
 - ``stack`` (package): Prometheus, KEDA and prometheus-adapter on loopback, the adapter running
   the chart's rules as ``helm template`` renders them.
-- ``scenario`` (function): makes ``harness.Scenario`` objects with an operator that knows the
-  Prometheus address, and closes them (engines, load) after the test.
+- ``scenario`` (function): makes ``scaling_scenario.Scenario`` objects with an operator that
+  knows the Prometheus address, and closes them (engines, load) after the test.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from tests.cluster.addons import AutoscalingStack
     from tests.cluster.addons_build import AutoscalingBinaries
     from tests.cluster.client import ClusterHandle
-    from tests.e2e.harness import Scenario
-    from tests.operator_tests.harness import Operators
+    from tests.e2e.scaling_scenario import Scenario
+    from tests.operator_tests.operator_process import Operators
 
 _STACK: AutoscalingStack | None = None
 _SCENARIOS: list[Scenario] = []
@@ -80,7 +80,7 @@ def scenario(
     tmp_path: Path,
 ) -> Iterator[Callable[..., Scenario]]:
     """``scenario(name, backend)`` -> a Scenario in this test's namespace, operator running."""
-    from tests.e2e.harness import Scenario
+    from tests.e2e.scaling_scenario import Scenario
 
     operators.start("--prometheus-address", stack.prometheus_url)
     made: list[Scenario] = []

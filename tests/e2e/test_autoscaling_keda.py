@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.e2e.harness import Scenario, poll
 from tests.e2e.quantity import parse_quantity
+from tests.e2e.scaling_scenario import Scenario, poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

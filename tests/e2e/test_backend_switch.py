@@ -13,8 +13,8 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.addons import AutoscalingStack
 from tests.cluster.client import ClusterHandle
-from tests.e2e.harness import poll
-from tests.operator_tests.harness import Operators
+from tests.e2e.scaling_scenario import poll
+from tests.operator_tests.operator_process import Operators
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.e2e.harness import STEP_TIMEOUT_S, Scenario
+from tests.e2e.scaling_scenario import STEP_TIMEOUT_S, Scenario
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

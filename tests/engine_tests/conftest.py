@@ -18,7 +18,7 @@ import pytest
 from quire_engine.core.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from tests.engine_tests.server_harness import RunningServer
+    from tests.engine_tests.live_server import RunningServer
 
 _live_pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
 
@@ -62,7 +62,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server() -> Iterator[RunningServer]:
     """The embedded model behind real uvicorn on a loopback port, shared by the server tests.
     Every test must leave it idle (the pool check above runs after each test)."""
-    from tests.engine_tests.server_harness import serve, tiny_settings
+    from tests.engine_tests.live_server import serve, tiny_settings
 
     with serve(tiny_settings()) as running:
         yield running

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine_tests.server_harness import engine_process
+from tests.engine_tests.live_server import engine_process
 
 FREEZE = """
 import gc, json

@@ -14,7 +14,7 @@ import httpx2
 
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.model.tiny_model import build_tokenizer
-from tests.engine_tests.server_harness import EngineHolder, RunningServer, serve, tiny_settings
+from tests.engine_tests.live_server import EngineHolder, RunningServer, serve, tiny_settings
 
 NO_EOS = {"ignore_eos": True}
 # Greedy output of PROMPT begins with four printable bytes: 43 '+', 64 '@', 63 '?', 48 '0'

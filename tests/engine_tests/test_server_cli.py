@@ -20,7 +20,7 @@ import pytest
 from quire_engine import cli
 from quire_engine.bench.workload import sharegpt_like
 from quire_engine.server.cli import JsonFormatter, env_name, parse_bytes, settings_from_args
-from tests.engine_tests.server_harness import ENGINE_DIR, EngineProcess
+from tests.engine_tests.live_server import ENGINE_DIR, EngineProcess
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import pytest
 
 from quire_engine.core.config import EngineConfig
 from quire_engine.engine.llm_engine import LLMEngine
-from tests.engine_tests.server_harness import RunningServer, serve, tiny_settings
+from tests.engine_tests.live_server import RunningServer, serve, tiny_settings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -19,7 +19,7 @@ from quire_engine.engine import llm_engine as engine_module
 from quire_engine.model.sampler import SampleRow
 from quire_engine.server import app as server_module
 from quire_engine.server import prompt_encoder
-from tests.engine_tests.server_harness import (
+from tests.engine_tests.live_server import (
     EngineHolder,
     RunningServer,
     serve,

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.engine_tests.server_harness import RunningServer, serve, sse_payloads, tiny_settings
+from tests.engine_tests.live_server import RunningServer, serve, sse_payloads, tiny_settings
 from tests.engine_tests.test_server_errors import still_serving
 
 EXTREME_INTS = [0, -1, 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30]

@@ -11,7 +11,7 @@ import httpx2
 import pytest
 
 from quire_engine import LLM, SamplingParams
-from tests.engine_tests.server_harness import RunningServer, Samples, serve, tiny_settings
+from tests.engine_tests.live_server import RunningServer, Samples, serve, tiny_settings
 from tests.engine_tests.ties import assert_tie_free
 
 EVERY_METRIC = (  # design.md, "Metrics"

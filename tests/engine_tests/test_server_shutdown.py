@@ -18,7 +18,7 @@ from typing import Any
 import httpx2
 import pytest
 
-from tests.engine_tests.server_harness import (
+from tests.engine_tests.live_server import (
     EngineProcess,
     engine_process,
     serve,

@@ -32,7 +32,7 @@ from quire_engine import LLM, SamplingParams
 from quire_engine.core.config import EngineConfig
 from quire_engine.core.outputs import CompletionOutput
 from quire_engine.engine.llm_engine import LLMEngine
-from tests.engine_tests.server_harness import serve, sse_payloads, tiny_settings
+from tests.engine_tests.live_server import serve, sse_payloads, tiny_settings
 
 FULL = os.environ.get("QUIRE_SOAK_FULL", "") not in ("", "0")
 NUM_REQUESTS, CONCURRENCY = (1000, 128) if FULL else (60, 16)

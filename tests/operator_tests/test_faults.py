@@ -38,8 +38,8 @@ from tests.operator_tests.api import (
     ready,
     service,
 )
-from tests.operator_tests.harness import Operators
 from tests.operator_tests.helpers import load_example
+from tests.operator_tests.operator_process import Operators
 
 pytestmark = pytest.mark.cluster
 

@@ -32,8 +32,8 @@ from tests.operator_tests.api import (
     ready,
     service,
 )
-from tests.operator_tests.harness import Operators
 from tests.operator_tests.helpers import inference_service, load_example
+from tests.operator_tests.operator_process import Operators
 
 pytestmark = pytest.mark.cluster
 

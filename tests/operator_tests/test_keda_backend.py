@@ -11,8 +11,8 @@ import pytest
 
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.operator_tests.api import condition, create_isvc, get_isvc, hpa, patch_spec
-from tests.operator_tests.harness import GarbageCollectorProbe, Operators
 from tests.operator_tests.helpers import load_example
+from tests.operator_tests.operator_process import GarbageCollectorProbe, Operators
 
 pytestmark = pytest.mark.cluster
 

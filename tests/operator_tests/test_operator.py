@@ -1,10 +1,11 @@
 """Acceptance tests of the operator (issue 6) against the real control plane of tests/cluster.
 
-Every test runs real ``quire-operator`` processes (tests/operator_tests/harness.py) against the
-real API server, controller manager (Deployment, ReplicaSet, HPA, garbage collector) and kwok
-nodes; nothing of the Kubernetes API is mocked. Waits are bounded (``wait_for``) and assertions
-are on exact values. The expected children are the pure builders' output for the object as the
-API server stored it, so these tests prove that what the builders say is what the cluster gets.
+Every test runs real ``quire-operator`` processes (tests/operator_tests/operator_process.py)
+against the real API server, controller manager (Deployment, ReplicaSet, HPA, garbage collector)
+and kwok nodes; nothing of the Kubernetes API is mocked. Waits are bounded (``wait_for``) and
+assertions are on exact values. The expected children are the pure builders' output for the object
+as the API server stored it, so these tests prove that what the builders say is what the cluster
+gets.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from tests.operator_tests.api import (
     ready,
     service,
 )
-from tests.operator_tests.harness import GarbageCollectorProbe, Operators
 from tests.operator_tests.helpers import EXAMPLE_PATH, load_example, root_schema, with_defaults
+from tests.operator_tests.operator_process import GarbageCollectorProbe, Operators
 
 pytestmark = pytest.mark.cluster
 # Drift must be repaired "within seconds": the operator reacts to the watch event itself.

@@ -1,7 +1,7 @@
 """One autoscaling scenario end to end: an InferenceService, its engines, load, and the chain
 Prometheus -> (KEDA | prometheus-adapter) -> HPA controller -> Deployment -> pod runner.
 
-Nothing here decides a replica count: the harness creates the InferenceService, drives load and
+Nothing here decides a replica count: this module creates the InferenceService, drives load and
 reads what the real components did (HPA status, Deployment, metrics APIs, Prometheus). Every wait
 is a poll with a deadline; every milestone goes into a ``Timeline`` that the test logs.
 
