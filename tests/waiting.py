@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -20,7 +20,7 @@ class WaitTimeout(AssertionError):
 
 
 def wait_until(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     *,
     timeout: float,
     interval: float,
@@ -46,8 +46,8 @@ def wait_until(
         except ignore as exc:
             last = exc
         else:
-            if until(value):
-                return value
+            if until(cast(T, value)):
+                return cast(T, value)
             last = value
         if time.monotonic() >= deadline:
             text = message() if callable(message) else message

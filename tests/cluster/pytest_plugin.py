@@ -1,5 +1,7 @@
-"""Fixtures for tests against a real Kubernetes control plane (see docs/test-cluster.md), shared
-by tests/operator_tests/ and tests/e2e/ so a session starts one control plane.
+"""Pytest plugin: fixtures for tests against a real Kubernetes control plane (see
+docs/test-cluster.md), shared by tests/operator_tests/ and tests/e2e/ so a session starts one
+control plane. Loaded by ``pytest_plugins`` in the root tests/conftest.py (pytest accepts
+``pytest_plugins`` only there); only the operator and e2e tests request these fixtures.
 
 - ``binaries`` (session): the cached binaries (built if missing), for helm lint/template tests
   that need no running control plane.
@@ -42,7 +44,8 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
-def _unavailable(reason: str) -> NoReturn:
+def unavailable(reason: str) -> NoReturn:
+    """Skip the test locally; fail it under ``CI=true`` (see the policy above)."""
     if _in_ci():
         pytest.fail(f"CI=true and the test cluster is unavailable: {reason}", pytrace=False)
     pytest.skip(reason)
@@ -59,7 +62,7 @@ def binaries(request: pytest.FixtureRequest) -> Binaries:
         with show:
             return ensure_binaries()
     except GoUnavailable as err:
-        _unavailable(str(err))
+        unavailable(str(err))
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +72,7 @@ def cluster(request: pytest.FixtureRequest, binaries: Binaries) -> Iterator[Clus
     try:
         from tests.cluster import client as handles
     except ImportError as err:  # the `kubernetes` package is part of the [operator] extra
-        _unavailable(f"python package missing: {err}")
+        unavailable(f"python package missing: {err}")
 
     control_plane = ControlPlane(binaries)
     control_plane.start()  # on failure it stops itself and the error carries the log tails

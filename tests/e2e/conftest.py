@@ -1,7 +1,8 @@
 """Fixtures for the autoscaling end-to-end tests.
 
 - ``cluster``, ``namespace``, ``crds``, ``operators``: the shared control-plane fixtures of
-  tests/conftest.py (one control plane per session, also used by the operator tests).
+  tests/cluster/pytest_plugin.py (one control plane per session, also used by the operator
+  tests).
 - ``autoscaling_binaries`` (session): KEDA and prometheus-adapter built from their Go modules and
   Prometheus unpacked from Debian's package, cached under ~/.cache/quire (first run: tens of
   minutes, mostly KEDA). Same policy as the cluster: skipped locally without Go, failed under
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.cluster.build import BuildError, GoUnavailable
-from tests.conftest import _unavailable
+from tests.cluster.pytest_plugin import unavailable
 
 if TYPE_CHECKING:
     from tests.cluster.addons import AutoscalingStack
@@ -47,7 +48,7 @@ def autoscaling_binaries(request: pytest.FixtureRequest) -> AutoscalingBinaries:
         with show:
             return ensure_autoscaling_binaries()
     except (GoUnavailable, BuildError) as err:
-        _unavailable(str(err))
+        unavailable(str(err))
 
 
 # Package scope: KEDA, Prometheus and the adapter stop once the e2e tests are done, instead of

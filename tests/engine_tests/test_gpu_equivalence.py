@@ -16,10 +16,7 @@ from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.models import ARCHITECTURES, greedy_reference
 from tests.engine_tests.test_llm_equivalence import ALL_LAYERS_SLIDING, MAX_TOKENS, prompts
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA by the root conftest's hook
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

@@ -53,8 +53,7 @@ from quire_engine.kernels.paged_attention import (
 )
 
 paged_attention_module = importlib.import_module("quire_engine.kernels.paged_attention")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # skipped without CUDA by the root conftest's hook
 
 
 def _interpreter_live() -> bool:
@@ -716,7 +715,6 @@ GPU_SPECS = [
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize(
     ("dtype", "heads", "kv_heads", "head_dim", "block_size"),
     [
@@ -756,7 +754,6 @@ def test_cuda_kernel_matches_reference(
 
 
 @gpu
-@needs_cuda
 def test_cuda_write_kv_and_swap() -> None:
     key, value, k_cache, v_cache, slots = (t.cuda() for t in _kv_write_case(2))
     want_k, want_v = _expected_write(key, value, k_cache, v_cache, slots)
@@ -809,7 +806,6 @@ def test_cpu_bench_kernel_small() -> None:
 
 
 @gpu
-@needs_cuda
 def test_cuda_bench_kernel_small() -> None:
     result = kernel_bench.run(_bench_args("--batch", "4", "--context", "300", "--iters", "3"))
     assert result["max_abs_diff_vs_sdpa"] < 2e-2
