@@ -76,6 +76,7 @@ def interpret() -> None:
         pytest.skip("run by test_triton_interpreter_suite in a child process")
 
 
+@pytest.mark.slow  # a child pytest under the interpreter: ~30 s
 def test_triton_interpreter_suite() -> None:
     """Run this file's ``test_interpreted_*`` tests in a child pytest that starts with
     TRITON_INTERPRET=1 (see the module docstring)."""

@@ -278,6 +278,7 @@ def test_no_compiler_falls_back_with_a_warning(
     assert not fresh_loader.exists() or not any(fresh_loader.iterdir())
 
 
+@pytest.mark.slow  # ~17 s
 def test_failed_build_falls_back_with_the_compilers_message(
     kernel: native.PagedDecode,
     fresh_loader: Path,

@@ -11,9 +11,13 @@ import sys
 from pathlib import Path
 
 import httpx2
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine_tests.live_server import engine_process
+
+# Each test loads the model in a child process: ~13 s and ~25 s here.
+pytestmark = pytest.mark.slow
 
 FREEZE = """
 import gc, json

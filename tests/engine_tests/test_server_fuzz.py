@@ -148,6 +148,7 @@ FUZZ = settings(
 )
 
 
+@pytest.mark.slow  # ~14 s (completions) and ~4 s (chat)
 @pytest.mark.parametrize(
     ("path", "schema"),
     [("completions", "CompletionRequest"), ("chat/completions", "ChatCompletionRequest")],
