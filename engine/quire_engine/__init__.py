@@ -1,8 +1,9 @@
 """Quire's LLM engine: a paged KV cache, a continuous-batching scheduler, a model runner with a
 Triton paged-attention kernel, and an OpenAI-compatible server.
 
-``from quire_engine import LLM, SamplingParams`` loads torch lazily: the control side
-(``block_pool``, ``scheduler``) and the allocator benchmark never import it.
+``from quire_engine import LLM, SamplingParams`` loads torch lazily: the pure-Python core
+(``quire_engine.core``: block pool, scheduler, request table) and the allocator benchmark never
+import it. The layer folders and the rules between them: docs/architecture.md.
 """
 
 from __future__ import annotations
