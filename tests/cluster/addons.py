@@ -40,8 +40,8 @@ KEDA_NAMESPACE = "keda"
 ADAPTER_NAMESPACE = "monitoring"
 # Fast enough that a scaling test sees a change within seconds, and that Prometheus' record
 # resolves the KV-demand test's growth phase (under a second on a fast core); the production
-# values (15-30 s scrape, 30 s KEDA polling, 1-10 min adapter relist) are in the README's timing
-# table.
+# values (15-30 s scrape, 30 s KEDA polling, 1-10 min adapter relist) are in the timing table of
+# docs/autoscaling.md.
 SCRAPE_INTERVAL = "250ms"
 ADAPTER_RELIST = "2s"
 

@@ -106,7 +106,7 @@ _TIMELINES: list[str] = []  # rendered, for the terminal summary
 
 def _save_timeline(timeline: dict[str, Any]) -> None:
     """Keep it for the terminal summary, and append it to ``$QUIRE_E2E_TIMELINES`` (JSON
-    lines) when that is set: the README's figures come from there."""
+    lines) when that is set: docs/autoscaling.md's figures come from there."""
     events = "\n".join(f"  +{t:6.1f}s  {what}" for t, what in timeline["events"])
     _TIMELINES.append(f"{timeline['name']}:\n{events}")
     target = os.environ.get("QUIRE_E2E_TIMELINES")

@@ -49,7 +49,7 @@ FAST_BEHAVIOR = {
     },
 }
 # Deadlines: generous, because the shared 2-core machine may be busy; a healthy run takes a
-# fraction (the README shows measured timelines).
+# fraction (docs/autoscaling.md shows measured timelines).
 STEP_TIMEOUT_S = 240.0
 
 

@@ -2,7 +2,7 @@
 controller -> Deployment -> pod runner, on each of the three signals, and back to minReplicas.
 
 Every scenario runs the tiny model on CPU with small limits so pressure is reachable with a few
-clients; the README's "Autoscaling" section shows the timelines these tests log.
+clients; docs/autoscaling.md shows the timelines these tests log.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 
 
 def isvc(spec: dict[str, Any] | None = None, **changes: Any) -> InferenceService:
-    """The README example (name tiny, namespace ml), with top-level spec keys replaced."""
+    """The example manifest (name tiny, namespace ml), with top-level spec keys replaced."""
     base = load_example()["spec"] if spec is None else spec
     return parse(inference_service({**base, **changes}, name="tiny", uid=UID))
 

@@ -267,7 +267,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
     with run_operator(cluster, release, tmp_path / "operator.log") as process:
         apply_example(cluster, workload, "tiny-cpu.yaml")
         apply_example(cluster, workload, "gpu-autoscaling.yaml")
-        # As the README tells users to wait for it.
+        # As the README's tour tells users to wait for it.
         waited = cluster.kubectl(
             "wait", "--for=condition=Ready", "inferenceservice/tiny-cpu", "-n", workload,
             "--timeout=60s",
