@@ -43,10 +43,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 # Step sizes reported apart: memory-bound (1-4), mixed (5-16) and arithmetic-bound (17-64).
 CLASSES = ((1, 1), (2, 4), (5, 16), (17, 32), (33, 64))
-# Where DecoderStack.decode passes the step's sequence count, the vocabulary size and the logits'
-# address to quire_decoder_decode (its C signature, which `prototype` compares).
-_ARG_N, _ARG_VOCAB, _ARG_LOGITS = 17, 9, -2
+# quire_decoder_decode's parameter list (decoder_decode.c) and, since it takes one struct, that
+# struct's body (quire_native.h): `prototype` compares both. DecoderStack.decode passes the step's
+# sequence count, vocabulary size and logits' address in the struct (`n`, `vocab`, `logits`).
 _PROTOTYPE = re.compile(r"int\s+quire_decoder_decode\s*\(([^)]*)\)", re.S)
+_ARGS_STRUCT = re.compile(r"struct\s+quire_decoder_args\s*\{([^}]*)\}", re.S)
 
 
 def _ab() -> Any:
@@ -62,14 +63,21 @@ _NATIVE_PKGS = ("cpu", "kernels")
 
 
 def prototype(root: Path) -> str:
-    """The parameter list of ``quire_decoder_decode`` in ``root``'s sources, whitespace folded."""
+    """The parameter list of ``quire_decoder_decode`` in ``root``'s sources, and the body of
+    ``struct quire_decoder_args`` in its header where there is one (comments dropped),
+    whitespace folded."""
     # The sources moved from kernels/ to cpu/: a --base from before the move has them there.
     candidates = [root / f"engine/quire_engine/{pkg}/csrc/decoder_decode.c" for pkg in _NATIVE_PKGS]
-    source = next(path for path in candidates if path.exists()).read_text()
-    found = _PROTOTYPE.search(source)
+    path = next(path for path in candidates if path.exists())
+    found = _PROTOTYPE.search(path.read_text())
     if found is None:
         raise SystemExit(f"{root}: no quire_decoder_decode in decoder_decode.c")
-    return " ".join(found.group(1).split())
+    parts = [found.group(1)]
+    header = path.with_name("quire_native.h")
+    struct = _ARGS_STRUCT.search(header.read_text()) if header.exists() else None
+    if struct is not None:
+        parts.append(re.sub(r"/\*.*?\*/", " ", struct.group(1), flags=re.S))
+    return " ".join(" ; ".join(parts).split())
 
 
 def library_of(root: Path) -> Path:
@@ -99,8 +107,8 @@ class Paired:
         self.steps: list[tuple[int, float, float]] = []
         self._head_first = True
 
-    def __call__(self, *args: Any) -> None:
-        n, vocab, logits_at = int(args[_ARG_N]), int(args[_ARG_VOCAB]), int(args[_ARG_LOGITS])
+    def __call__(self, args: Any) -> None:  # a native.DecoderArgs
+        n, vocab, logits_at = int(args.n), int(args.vocab), int(args.logits)
         # The logits are written in place: keep the first build's and compare with the second's.
         pointer = ctypes.cast(logits_at, ctypes.POINTER(ctypes.c_float))
         out = torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(n, vocab)))
@@ -110,7 +118,7 @@ class Paired:
         first: torch.Tensor | None = None
         for kernel in order:
             start = time.perf_counter()
-            kernel(*args)
+            kernel(args)
             took[id(kernel)] = time.perf_counter() - start
             if first is None:
                 first = out.clone()

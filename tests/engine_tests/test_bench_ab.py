@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from quire_engine.cpu import native
 from tests.engine_tests.toolchain import require_native_kernels
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,8 +82,8 @@ def _head() -> str:
 def _fake_kernel(value: float) -> Any:
     """A stand-in for a native decoder build: fills the step's logits with ``value``."""
 
-    def kernel(*args: Any) -> None:
-        n, vocab, at = args[17], args[9], args[-2]  # native_ab's _ARG_N, _ARG_VOCAB, _ARG_LOGITS
+    def kernel(args: Any) -> None:  # a native.DecoderArgs
+        n, vocab, at = args.n, args.vocab, args.logits
         pointer = ctypes.cast(at, ctypes.POINTER(ctypes.c_float))
         np.ctypeslib.as_array(pointer, shape=(n, vocab))[:] = value
 
@@ -92,12 +93,10 @@ def _fake_kernel(value: float) -> Any:
 def test_native_ab_times_both_builds_and_refuses_different_results() -> None:
     native_ab = _load("native_ab")
     logits = torch.zeros(3, 5)
-    args: list[Any] = [0] * 28
-    args[native_ab._ARG_VOCAB], args[native_ab._ARG_N] = 5, 3
-    args[native_ab._ARG_LOGITS] = logits.data_ptr()
+    args = native.DecoderArgs(vocab=5, n=3, logits=logits.data_ptr())
     same = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.0))
-    same(*args)
-    same(*args)  # the other build first
+    same(args)
+    same(args)  # the other build first
     assert [n for n, _, _ in same.steps] == [3, 3] and torch.equal(logits, torch.ones(3, 5))
     got = native_ab.report([(1, 2.0, 1.0), (3, 1.0, 1.5), (3, 1.0, 0.5), (40, 4.0, 2.0)])
     assert got["1"] == {
@@ -108,23 +107,27 @@ def test_native_ab_times_both_builds_and_refuses_different_results() -> None:
     assert "5-16" not in got  # no steps of that size
     differ = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(2.0))
     with pytest.raises(SystemExit, match="different logits"):
-        differ(*args)
+        differ(args)
     # --rtol: rounding apart is accepted (a summation order change), more is not.
     close = native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.0 + 2**-20), rtol=1e-5)
-    close(*args)
-    close(*args)
+    close(args)
+    close(args)
     assert len(close.steps) == 2
     with pytest.raises(SystemExit, match="beyond --rtol"):
-        native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.001), rtol=1e-5)(*args)
+        native_ab.Paired(_fake_kernel(1.0), _fake_kernel(1.001), rtol=1e-5)(args)
 
 
 def test_native_ab_refuses_builds_with_another_entry_point(tmp_path: Path) -> None:
     native_ab = _load("native_ab")
-    source = REPO / "engine/quire_engine/cpu/csrc/decoder_decode.c"
-    changed = tmp_path / "engine/quire_engine/cpu/csrc/decoder_decode.c"
-    changed.parent.mkdir(parents=True)
-    text = source.read_text()
-    changed.write_text(text.replace("int64_t block_size, int64_t n,", "int64_t block_size,", 1))
+    csrc = REPO / "engine/quire_engine/cpu/csrc"
+    changed = tmp_path / "engine/quire_engine/cpu/csrc"
+    changed.mkdir(parents=True)
+    shutil.copy(csrc / "decoder_decode.c", changed / "decoder_decode.c")
+    text = (csrc / "quire_native.h").read_text()
+    # The entry point takes a struct: a field dropped from it changes the entry point.
+    dropped = text.replace("    int64_t n; ", "    ", 1)
+    assert dropped != text
+    (changed / "quire_native.h").write_text(dropped)
     assert native_ab.prototype(tmp_path) != native_ab.prototype(REPO)
     with pytest.raises(SystemExit, match="parameters differ"):
         native_ab.main(["--base", _head(), "--head", str(tmp_path)])

@@ -13,7 +13,11 @@ import torch
 
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
-from quire_engine.kernels.paged_attention import decode_chunks, paged_attention_reference
+from quire_engine.kernels.paged_attention import (
+    PagedAttentionInputs,
+    decode_chunks,
+    paged_attention_reference,
+)
 
 # The module, not the function the package re-exports under the same name.
 paged_attention_module = importlib.import_module("quire_engine.kernels.paged_attention")
@@ -61,9 +65,11 @@ def test_plan_equals_reference(
 
     write_kv_reference(key, value, k_ref, v_ref, slot_tensor)
     expected = paged_attention_reference(
-        q, k_ref, v_ref, torch.from_numpy(block_tables), torch.from_numpy(seq_lens).int(),
-        torch.from_numpy(qsl).int(), 0.25, max_query_len=max(counts),
-        max_seq_len=int(seq_lens.max()),
+        PagedAttentionInputs(
+            q, k_ref, v_ref, torch.from_numpy(block_tables), torch.from_numpy(seq_lens).int(),
+            torch.from_numpy(qsl).int(), 0.25, max_query_len=max(counts),
+            max_seq_len=int(seq_lens.max()),
+        )
     )  # fmt: skip
 
     plan = CpuAttentionPlan.build(

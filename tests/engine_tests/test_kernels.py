@@ -35,6 +35,7 @@ from quire_engine.bench import kernel as kernel_bench
 from quire_engine.kernels import (
     HAS_TRITON,
     INTERPRETED,
+    PagedAttentionInputs,
     choose_num_splits,
     copy_blocks,
     paged_attention,
@@ -124,10 +125,11 @@ class Batch:
         }  # fmt: skip
 
     def reference(self) -> torch.Tensor:
-        return paged_attention_reference(**self.kwargs())  # type: ignore[arg-type]
+        return paged_attention_reference(PagedAttentionInputs(**self.kwargs()))  # type: ignore[arg-type]
 
     def kernel(self, num_splits: int | None = None) -> torch.Tensor:
-        return paged_attention(**self.kwargs(), num_splits=num_splits)  # type: ignore[arg-type]
+        inputs = PagedAttentionInputs(**self.kwargs())  # type: ignore[arg-type]
+        return paged_attention(inputs, num_splits=num_splits)
 
 
 def make_batch(
@@ -433,10 +435,10 @@ def test_package_imports_without_triton() -> None:
         "q = torch.randn(1, 2, 16); c = torch.randn(2, 4, 2, 16); i = torch.int32\n"
         "args = (q, c, c, torch.tensor([[1]], dtype=i), torch.tensor([3], dtype=i),\n"
         "        torch.tensor([0, 1], dtype=i), 0.25)\n"
-        "out = k.paged_attention_reference(*args, max_query_len=1, max_seq_len=3)\n"
+        "out = k.paged_attention_reference(k.PagedAttentionInputs(*args, 1, 3))\n"
         "assert out.shape == q.shape\n"
         "try:\n"
-        "    k.paged_attention(*args, max_query_len=1, max_seq_len=3)\n"
+        "    k.paged_attention(k.PagedAttentionInputs(*args, 1, 3))\n"
         "except ValueError as e:\n"
         "    assert 'triton is not installed' in str(e)\n"
         "else:\n"
@@ -662,13 +664,13 @@ def test_attention_rejects_bad_input(
     fn: Callable[..., torch.Tensor], change: dict[str, object], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        fn(**{**_good(), **change})
+        fn(PagedAttentionInputs(**{**_good(), **change}))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(LIVE, reason="the interpreter accepts CPU tensors")
 def test_triton_launchers_refuse_cpu_tensors() -> None:
     with pytest.raises(ValueError, match="reference"):
-        paged_attention(**_good())  # type: ignore[arg-type]
+        paged_attention(PagedAttentionInputs(**_good()))  # type: ignore[arg-type]
     key, value, k_cache, v_cache, slots = _kv_write_case()
     with pytest.raises(ValueError, match="reference"):
         write_kv_triton(key, value, k_cache, v_cache, slots)
@@ -676,7 +678,7 @@ def test_triton_launchers_refuse_cpu_tensors() -> None:
 
 def test_num_splits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="num_splits"):
-        paged_attention(**_good(), num_splits=0)  # type: ignore[arg-type]
+        paged_attention(PagedAttentionInputs(**_good()), num_splits=0)  # type: ignore[arg-type]
 
 
 def test_kv_ops_reject_bad_input() -> None:

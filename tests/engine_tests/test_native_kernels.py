@@ -25,7 +25,7 @@ import torch
 from quire_engine.cpu import native
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
-from quire_engine.kernels.paged_attention import paged_attention_reference
+from quire_engine.kernels.paged_attention import PagedAttentionInputs, paged_attention_reference
 from tests.engine_tests.toolchain import require_native_kernels
 
 ATOL = RTOL = 1e-5
@@ -76,11 +76,12 @@ def _reference(
     softcap: float | None = None,
 ) -> torch.Tensor:
     n = len(lens)
-    return paged_attention_reference(
+    inputs = PagedAttentionInputs(
         q, k, v, torch.from_numpy(tables), torch.tensor(lens, dtype=torch.int32),
         torch.arange(n + 1, dtype=torch.int32), 0.3, max_query_len=1, max_seq_len=max(lens),
-        sliding_window=window, softcap=softcap, finite_cache=True,
+        sliding_window=window, softcap=softcap,
     )  # fmt: skip
+    return paged_attention_reference(inputs, finite_cache=True)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

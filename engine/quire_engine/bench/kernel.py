@@ -35,7 +35,12 @@ import torch.nn.functional as F
 
 from quire_engine.cpu import native
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
-from quire_engine.kernels import choose_num_splits, paged_attention, triton_usable
+from quire_engine.kernels import (
+    PagedAttentionInputs,
+    choose_num_splits,
+    paged_attention,
+    triton_usable,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -246,11 +251,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batch, kv_heads, 1, context, torch.cuda.get_device_properties(device).multi_processor_count
     )
 
+    inputs = PagedAttentionInputs(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1, context
+    )
+
     def paged() -> torch.Tensor:
-        return paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len=1, max_seq_len=context, num_splits=num_splits,
-        )  # fmt: skip
+        return paged_attention(inputs, num_splits=num_splits)
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(

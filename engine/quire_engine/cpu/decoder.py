@@ -55,9 +55,9 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from quire_engine.cpu import linear as linear_cpu
-from quire_engine.cpu.native import DecoderDecode
+from quire_engine.cpu.native import DecoderArgs, DecoderDecode
 from quire_engine.cpu.paged_attention import check_decode_tables
-from quire_engine.model.attention import LayerAttention
+from quire_engine.kernels.paged_attention import LayerAttention
 
 # Causal LM class -> (its model, decoder layer, attention, MLP and RMSNorm classes): checked
 # exactly (a subclass may compute something else).
@@ -128,15 +128,25 @@ class DecoderStack:
         self.num_blocks = int(k_caches[0].shape[0])
         self.block_size = block_size
         num_layers = len(windows)
-        per_layer = len(DecoderDecode.FIELDS) - 2  # the table's last two fields: the pools
-        table = np.zeros((num_layers, len(DecoderDecode.FIELDS)), dtype=np.int64)
+        fields = DecoderDecode.LAYER_FIELDS
+        per_layer = len(fields) - 2  # the table's last two fields: the pools
+        assert fields[per_layer:] == ("k_cache", "v_cache")
+        table = np.zeros((num_layers, len(fields)), dtype=np.int64)
         table[:, :per_layer] = np.array(self._addresses[: num_layers * per_layer]).reshape(
             num_layers, per_layer
         )
         table[:, per_layer] = [k.data_ptr() for k in k_caches]
         table[:, per_layer + 1] = [v.data_ptr() for v in v_caches]
         self._table = table
-        self._globals = self._addresses[num_layers * per_layer :]  # embed, norm, lm_head, bias
+        embed, norm, lm_head, lm_bias = self._addresses[num_layers * per_layer :]
+        # The call's arguments: the model's here, once; the step's set by each decode.
+        self._args = DecoderArgs(
+            layers=table.ctypes.data, layer_fields=len(fields), num_layers=num_layers,
+            windows=windows.ctypes.data, scales=scales.ctypes.data, embed=embed,
+            final_norm=norm, lm_head=lm_head, lm_bias=lm_bias or None, vocab=dims.vocab,
+            hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
+            inter=dims.inter, eps=dims.eps, block_size=block_size,
+        )  # fmt: skip
         self._rotary = model.model.rotary_emb  # checked by _check
         # cos/sin of positions [0, rows), [rows, head_dim] each, from the rotary module's own
         # forward (grown on demand; None until the first step): vLLM's cos_sin_cache. Only for
@@ -210,15 +220,17 @@ class DecoderStack:
         slot = np.ascontiguousarray(slots, dtype=np.int64)
         tab = np.ascontiguousarray(tables, dtype=np.int32)
         logits = torch.empty((n, d.vocab), dtype=torch.float32)
-        embed, norm, lm_head, lm_bias = self._globals
-        self.kernel(
-            self._table.ctypes.data, self._table.shape[1], len(self.windows),
-            self.windows.ctypes.data, self.scales.ctypes.data, embed, norm, lm_head,
-            lm_bias or None, d.vocab, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.eps,
-            self.block_size, n, ids.ctypes.data, cos.data_ptr(), sin.data_ptr(),
-            rope_rows.ctypes.data, slot.ctypes.data, tab.ctypes.data, tab.shape[1],
-            lens.ctypes.data, logits.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        args = self._args  # the model's fields were set by __init__; the step's here
+        args.n = n
+        args.ids = ids.ctypes.data
+        args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
+        args.rope_rows = rope_rows.ctypes.data
+        args.slots = slot.ctypes.data
+        args.tables, args.table_stride = tab.ctypes.data, tab.shape[1]
+        args.lens = lens.ctypes.data
+        args.logits = logits.data_ptr()
+        args.num_threads = torch.get_num_threads()
+        self.kernel(args)
         return logits
 
     def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
@@ -338,11 +350,12 @@ def _check(
         if shapes != want or int(attn.head_dim) != head_dim:
             return f"layer {i}'s projections {shapes} are not those of layer 0 ({want})"
         norms += [block.input_layernorm, block.post_attention_layernorm]
-        q, k, v, o, gate, up, down = linears
-        sources.append((block.input_layernorm, "weight"))
-        sources += [(m, name) for m in (q, k, v, o) for name in ("weight", "bias")]
-        sources.append((block.post_attention_layernorm, "weight"))
-        sources += [(m, name) for m in (gate, up, down) for name in ("weight", "bias")]
+        # This layer's row of the table, by field name (the pools are added by the stack).
+        row = {"input_norm": (block.input_layernorm, "weight")}
+        row["post_norm"] = (block.post_attention_layernorm, "weight")
+        for field, m in zip(("q", "k", "v", "o", "gate", "up", "down"), linears, strict=True):
+            row[field], row[f"{field}_bias"] = (m, "weight"), (m, "bias")
+        sources += [row[field] for field in DecoderDecode.LAYER_FIELDS[:-2]]
     eps = {float(m.variance_epsilon) for m in norms}
     if len(eps) != 1:
         return f"the RMSNorms' epsilons differ: {sorted(eps)}"

@@ -90,6 +90,8 @@ from quire_engine.kernels.kv_cache_ops import (  # noqa: E402
     write_kv_triton,
 )
 from quire_engine.kernels.paged_attention import (  # noqa: E402
+    LayerAttention,
+    PagedAttentionInputs,
     choose_num_splits,
     paged_attention,
     paged_attention_reference,
@@ -98,6 +100,8 @@ from quire_engine.kernels.paged_attention import (  # noqa: E402
 __all__ = [
     "HAS_TRITON",
     "INTERPRETED",
+    "LayerAttention",
+    "PagedAttentionInputs",
     "check_launchable",
     "choose_num_splits",
     "copy_blocks",

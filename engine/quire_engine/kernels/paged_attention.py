@@ -33,7 +33,8 @@ import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,37 @@ _LOG2E_C = tl.constexpr(_LOG2E) if HAS_TRITON else _LOG2E  # the same, as a kern
 _MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
 _DECODE_CHUNK_BYTES = 2 << 20  # fp32 bytes of gathered K per batched SDPA call (decode_chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention call asks for (``model.attention.inspect_layers`` observes it
+    at load time; the CPU decoder reads it): the per-layer options of :class:`PagedAttentionInputs`.
+    """
+
+    layer_idx: int
+    sliding_window: int | None  # the layer sees its last `sliding_window` positions; None: all
+    softcap: float | None  # attention logit soft-cap (Gemma 2); None: none
+    scaling: float | None  # softmax scale; None: head_dim ** -0.5
+
+
+class PagedAttentionInputs(NamedTuple):
+    """One layer's paged attention call, as :func:`paged_attention` (Triton) and
+    :func:`paged_attention_reference` (torch) both take it; see the module docstring for the
+    layout. Both launchers check it (shapes, dtypes, devices, strides; the values too, on the
+    host, except the CUDA launcher)."""
+
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim], head_dim contiguous
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+    v_cache: torch.Tensor  # same shape and dtype as k_cache
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length including the step's queries
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query counts, from 0
+    scale: float  # softmax scale, positive and finite
+    max_query_len: int  # bounds every sequence's query count (sizes the grid)
+    max_seq_len: int  # bounds every seq_lens entry (sizes the splits)
+    sliding_window: int | None = None  # W >= 1: positions p - W < pos <= p are visible
+    softcap: float | None = None  # c > 0: scores c * tanh(scale * q.k / c)
 
 
 @jit
@@ -307,20 +339,10 @@ def choose_num_splits(
     return max(1, min(wanted, -(-max_seq_len // _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> None:
+def _check_inputs(inputs: PagedAttentionInputs) -> None:
     """Shapes, dtypes, devices and strides; raises ValueError naming what is wrong."""
+    (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+     max_seq_len, sliding_window, softcap) = inputs  # fmt: skip
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
@@ -392,20 +414,14 @@ def _check_inputs(
         )
 
 
-def _check_values(
-    q: torch.Tensor,
-    num_blocks: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-) -> tuple[list[int], list[int], list[int]]:
+def _check_values(inputs: PagedAttentionInputs) -> tuple[list[int], list[int], list[int]]:
     """Check the metadata values; returns (query starts, query lengths, sequence lengths).
 
     Reads the tensors on the host, so the CUDA launcher skips it (it would cost a sync)."""
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    q, block_tables, num_blocks = inputs.q, inputs.block_tables, inputs.k_cache.shape[0]
+    max_query_len, max_seq_len = inputs.max_query_len, inputs.max_seq_len
+    starts = inputs.query_start_loc.tolist()
+    lens = inputs.seq_lens.tolist()
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     if starts[0] != 0 or starts[-1] != q.shape[0]:
         raise ValueError(f"query_start_loc must run from 0 to num_tokens={q.shape[0]}: {starts}")
@@ -424,36 +440,19 @@ def _check_values(
     return starts, q_lens, lens
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
+def paged_attention(inputs: PagedAttentionInputs, *, num_splits: int | None = None) -> torch.Tensor:
     """Run the Triton kernel; returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
 
-    ``max_query_len`` and ``max_seq_len`` must bound the true lengths (they size the grid and the
-    split count; on CUDA they are trusted, as checking would cost a host sync). ``num_splits``
-    defaults to :func:`choose_num_splits`. ``sliding_window`` and ``softcap``: see the module
-    docstring.
+    ``inputs.max_query_len`` and ``inputs.max_seq_len`` must bound the true lengths (they size
+    the grid and the split count; on CUDA they are trusted, as checking would cost a host sync).
+    ``num_splits`` defaults to :func:`choose_num_splits`. ``sliding_window`` and ``softcap``: see
+    the module docstring.
     """
-    _check_inputs(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-        max_seq_len, sliding_window, softcap,
-    )  # fmt: skip
+    _check_inputs(inputs)
+    (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+     max_seq_len, sliding_window, softcap) = inputs  # fmt: skip
     if q.device.type == "cpu":
-        _check_values(
-            q, k_cache.shape[0], block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len
-        )
+        _check_values(inputs)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     check_launchable(q.device, "paged_attention")
@@ -589,19 +588,7 @@ def decode_chunks(
 
 
 def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    finite_cache: bool = False,
+    inputs: PagedAttentionInputs, *, finite_cache: bool = False
 ) -> torch.Tensor:
     """Same semantics as :func:`paged_attention` in plain torch (fp32 math); the CPU path.
 
@@ -615,13 +602,10 @@ def paged_attention_reference(
     by their cached prefix. With a sliding window only the blocks that hold a visible position
     are gathered, so the cost follows the window, not the context.
     """
-    _check_inputs(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-        max_seq_len, sliding_window, softcap,
-    )  # fmt: skip
-    starts, q_lens, lens = _check_values(
-        q, k_cache.shape[0], block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len
-    )
+    _check_inputs(inputs)
+    q, k_cache, v_cache, block_tables, seq_lens = inputs[:5]
+    scale, sliding_window, softcap = inputs.scale, inputs.sliding_window, inputs.softcap
+    starts, q_lens, lens = _check_values(inputs)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     tables = block_tables.long()

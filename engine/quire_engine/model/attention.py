@@ -29,7 +29,16 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from quire_engine.cpu.paged_attention import LazyCpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv
-from quire_engine.kernels.paged_attention import paged_attention, paged_attention_reference
+from quire_engine.kernels.paged_attention import LayerAttention as LayerAttention
+from quire_engine.kernels.paged_attention import (
+    PagedAttentionInputs,
+    paged_attention,
+    paged_attention_reference,
+)
+
+# LayerAttention (what one layer's attention call asks for, as inspect_layers observes it) is
+# defined with the kernels, as the CPU backend reads it too and imports nothing from this layer;
+# re-exported here (``as``) for the loader and the runner.
 
 ATTENTION_NAME = "quire"
 PROFILE_NAME = "quire_profile"  # no attention at all: see register_profiling
@@ -59,16 +68,6 @@ class AttentionMetadata:
     use_triton: bool
     # CPU only: the step's attention work planned once for every layer (None: the reference).
     cpu_plan: LazyCpuAttentionPlan | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LayerAttention:
-    """What one layer's attention call asks for, as observed by :func:`inspect_layers`."""
-
-    layer_idx: int
-    sliding_window: int | None  # the layer sees its last `sliding_window` positions; None: all
-    softcap: float | None  # attention logit soft-cap (Gemma 2); None: none
-    scaling: float | None  # softmax scale; None: head_dim ** -0.5
 
 
 _KNOWN_KWARGS = frozenset(IGNORED_KWARGS) | frozenset(HONOURED_KWARGS)  # built once: per layer
@@ -111,25 +110,15 @@ def paged_attention_forward(
         return out.unsqueeze(0), None  # [1, T, heads, D]
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
     q = query[0].transpose(0, 1)  # [T, heads, D]; the kernels need only head_dim contiguous
-    args = (q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+    inputs = PagedAttentionInputs(
+        q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+        md.max_query_len, md.max_seq_len, window, cap,
+    )  # fmt: skip
     if md.use_triton:
-        out = paged_attention(
-            *args,
-            max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            sliding_window=window,
-            softcap=cap,
-        )
+        out = paged_attention(inputs)
     else:
         # The runner zero-initialises its pools and writes only model K/V into them.
-        out = paged_attention_reference(
-            *args,
-            max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            sliding_window=window,
-            softcap=cap,
-            finite_cache=True,
-        )
+        out = paged_attention_reference(inputs, finite_cache=True)
     return out.unsqueeze(0), None  # [1, T, heads, D]
 
 

@@ -1,12 +1,12 @@
 /* One decode step of a Llama-shaped decoder stack on CPU (fp32), every layer in one call.
  *
- * Loaded by quire_engine/cpu/native.py and driven by cpu/decoder.py for the steps
- * where every sequence decodes one token and there are at most decoder_cpu.MAX_ROWS (64) of
- * them. Why: at a few rows a step streams every weight once and computes little, and the
- * module-by-module forward adds per-op dispatch (RMSNorm as seven tensor ops, RoPE as eight,
- * SiLU, residual adds, views, module calls), none of it arithmetic: this call takes 0.65x the
- * modules' step time at 1-4 sequences of the 32.5M Llama, 0.80-0.86x at 8-16. Here the step is
- * the weight stream, the attention and a few vector loops.
+ * Contract. Loaded by quire_engine/cpu/native.py (DecoderDecode) and driven by cpu/decoder.py
+ * (DecoderStack) for the steps where every sequence decodes one token and there are at most
+ * decoder.MAX_ROWS (64) of them. The arguments are one struct quire_decoder_args (quire_native.h
+ * states every field's layout, the ownership and who checks what); the layer table's fields are
+ * matched by name at load (quire_layer_field_names) and the struct's by name and offset
+ * (quire_decoder_arg_names/offsets), so a Python mirror that disagrees with this file refuses to
+ * load instead of passing misplaced addresses.
  *
  * The layer is transformers' LlamaDecoderLayer, as Mistral and Qwen2 also use it (the caller
  * checks the module classes):
@@ -18,25 +18,17 @@
  * 16 rows; above, the BLAS), so those parts give the same bits as there; RoPE and the residual
  * adds are the same float operations in the same order (no contraction into fused multiply-adds
  * there); RMSNorm's sum of squares and SiLU's exp differ from torch's by rounding (another
- * summation order, another exp).
+ * summation order, another exp). Each row is computed in an order that depends only on that row,
+ * so a row's logits are the same bits whatever other rows share the step.
  *
- * Layouts (fp32 unless stated):
- *   layers   int64 [num_layers, NUM_FIELDS]: addresses, in the enum's order below (0: no bias)
- *   windows  int64 [num_layers]: sliding window, 0 for none; scales [num_layers]: softmax scale
- *   embed    [vocab_rows, hidden]; final_norm [hidden]; lm_head [vocab, hidden]; lm_bias or NULL
- *   ids      int64 [n], each in 0 .. vocab_rows - 1 (checked by the caller)
- *   cos, sin [rope_rows_total, head_dim]: the model's rotary embedding, token t's at row
- *            rope_rows[t] (int64 [n], each inside the arrays: checked by the caller), so a
- *            table over positions is read in place (rope_rows = the positions)
- *   slots    int64 [n]: block_id * block_size + offset, the token's place in the K/V pools
- *   tables   int32 [n, table_stride]; lens int64 [n]: as quire_paged_decode takes them
- *   logits   [n, vocab]
- * A pool is [num_blocks, block_size, kv_heads, head_dim] contiguous, so a slot's K row is
- * kv_heads * head_dim floats at slot * kv_heads * head_dim.
+ * Layout notes beyond the struct's: a pool is [num_blocks, block_size, kv_heads, head_dim]
+ * contiguous, so a slot's K row is kv_heads * head_dim floats at slot * kv_heads * head_dim;
+ * cos/sin are read at row rope_rows[t] in place, so a table over positions (rope_rows = the
+ * positions) needs no gather.
  *
- * Returns 0; 1 when scratch memory could not be allocated (then the logits are not written,
- * and neither is every layer's K/V: the caller fails the step); 2 when num_fields is not
- * NUM_FIELDS (the caller's table and this file disagree; nothing is touched).
+ * Returns (also in quire_native.h): 0; 1 when scratch memory could not be allocated (then the
+ * logits are not written, and some layers' K/V may be: the caller fails the step); 2 when
+ * layer_fields is not QUIRE_LAYER_FIELDS (nothing is touched).
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,27 +52,50 @@
 #define SEPARATE_ROUNDING_BODY
 #endif
 
-enum {
-    F_INPUT_NORM,
-    F_Q,
-    F_Q_BIAS,
-    F_K,
-    F_K_BIAS,
-    F_V,
-    F_V_BIAS,
-    F_O,
-    F_O_BIAS,
-    F_POST_NORM,
-    F_GATE,
-    F_GATE_BIAS,
-    F_UP,
-    F_UP_BIAS,
-    F_DOWN,
-    F_DOWN_BIAS,
-    F_K_CACHE,
-    F_V_CACHE,
-    NUM_FIELDS
+#include <stddef.h>
+
+/* The layer table's field names, by enum value (designated: a reordered enum keeps each name
+ * with its value), for the loader's name-by-name check. */
+const char *const quire_layer_field_names[QUIRE_LAYER_FIELDS] = {
+    [F_INPUT_NORM] = "input_norm", [F_Q] = "q",
+    [F_Q_BIAS] = "q_bias",         [F_K] = "k",
+    [F_K_BIAS] = "k_bias",         [F_V] = "v",
+    [F_V_BIAS] = "v_bias",         [F_O] = "o",
+    [F_O_BIAS] = "o_bias",         [F_POST_NORM] = "post_norm",
+    [F_GATE] = "gate",             [F_GATE_BIAS] = "gate_bias",
+    [F_UP] = "up",                 [F_UP_BIAS] = "up_bias",
+    [F_DOWN] = "down",             [F_DOWN_BIAS] = "down_bias",
+    [F_K_CACHE] = "k_cache",       [F_V_CACHE] = "v_cache",
 };
+const int64_t quire_layer_field_count = QUIRE_LAYER_FIELDS;
+
+/* struct quire_decoder_args' fields, in declaration order, with their offsets. */
+#define ARG(name) #name
+const char *const quire_decoder_arg_names[] = {
+    ARG(layers),     ARG(layer_fields), ARG(num_layers), ARG(windows),   ARG(scales),
+    ARG(embed),      ARG(final_norm),   ARG(lm_head),    ARG(lm_bias),   ARG(vocab),
+    ARG(hidden),     ARG(heads),        ARG(kv_heads),   ARG(head_dim),  ARG(inter),
+    ARG(eps),        ARG(block_size),   ARG(n),          ARG(ids),       ARG(cos),
+    ARG(sin),        ARG(rope_rows),    ARG(slots),      ARG(tables),    ARG(table_stride),
+    ARG(lens),       ARG(logits),       ARG(num_threads),
+};
+#undef ARG
+#define AT(name) (int64_t) offsetof(struct quire_decoder_args, name)
+const int64_t quire_decoder_arg_offsets[] = {
+    AT(layers),     AT(layer_fields), AT(num_layers), AT(windows),   AT(scales),
+    AT(embed),      AT(final_norm),   AT(lm_head),    AT(lm_bias),   AT(vocab),
+    AT(hidden),     AT(heads),        AT(kv_heads),   AT(head_dim),  AT(inter),
+    AT(eps),        AT(block_size),   AT(n),          AT(ids),       AT(cos),
+    AT(sin),        AT(rope_rows),    AT(slots),      AT(tables),    AT(table_stride),
+    AT(lens),       AT(logits),       AT(num_threads),
+};
+#undef AT
+#define COUNT(a) ((int64_t)(sizeof(a) / sizeof((a)[0])))
+const int64_t quire_decoder_arg_count = COUNT(quire_decoder_arg_names);
+const int64_t quire_decoder_args_size = (int64_t)sizeof(struct quire_decoder_args);
+_Static_assert(COUNT(quire_decoder_arg_names) == COUNT(quire_decoder_arg_offsets),
+               "one offset per argument name");
+#undef COUNT
 
 #define FIELD(row, f) ((float *)(intptr_t)(row)[f])
 
@@ -139,18 +154,23 @@ static void add_into(float *h, const float *y, int64_t count)
         h[i] = h[i] + y[i];
 }
 
-int quire_decoder_decode(const int64_t *layers, int64_t num_fields, int64_t num_layers,
-                         const int64_t *windows, const float *scales, const float *embed,
-                         const float *final_norm, const float *lm_head, const float *lm_bias,
-                         int64_t vocab, int64_t hidden, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, int64_t inter, float eps, int64_t block_size, int64_t n,
-                         const int64_t *ids, const float *cos, const float *sin,
-                         const int64_t *rope_rows, const int64_t *slots, const int32_t *tables,
-                         int64_t table_stride, const int64_t *lens, float *logits,
-                         int64_t num_threads)
+int quire_decoder_decode(const struct quire_decoder_args *args)
 {
-    if (num_fields != NUM_FIELDS)
+    if (args->layer_fields != QUIRE_LAYER_FIELDS)
         return 2;
+    const int64_t *layers = args->layers, *windows = args->windows;
+    const float *scales = args->scales, *embed = args->embed, *final_norm = args->final_norm;
+    const float *lm_head = args->lm_head, *lm_bias = args->lm_bias, *cos = args->cos;
+    const float *sin = args->sin;
+    const int64_t num_layers = args->num_layers, vocab = args->vocab, hidden = args->hidden;
+    const int64_t heads = args->heads, kv_heads = args->kv_heads, head_dim = args->head_dim;
+    const int64_t inter = args->inter, block_size = args->block_size, n = args->n;
+    const int64_t table_stride = args->table_stride, num_threads = args->num_threads;
+    const float eps = args->eps;
+    const int64_t *ids = args->ids, *rope_rows = args->rope_rows, *slots = args->slots;
+    const int64_t *lens = args->lens;
+    const int32_t *tables = args->tables;
+    float *logits = args->logits;
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     /* Scratch, per token: residual h, normed x (also each matmul's output before its add),
      * q, k, v, attention output, gate and up. */
@@ -175,7 +195,7 @@ int quire_decoder_decode(const int64_t *layers, int64_t num_fields, int64_t num_
     }
     int failed = 0;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
-        const int64_t *row = layers + l * NUM_FIELDS;
+        const int64_t *row = layers + l * QUIRE_LAYER_FIELDS;
         rms_norm(h, FIELD(row, F_INPUT_NORM), eps, n, hidden, x);
         quire_skinny_linear(x, hidden, n, FIELD(row, F_Q), FIELD(row, F_Q_BIAS), q_width, hidden,
                             q, q_width, num_threads);

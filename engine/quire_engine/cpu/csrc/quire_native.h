@@ -25,6 +25,90 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
                          const float *bias, int64_t N, int64_t K, float *y, int64_t y_stride,
                          int64_t num_threads);
 
+/* csrc/decoder_decode.c: one decode step of a Llama-shaped decoder stack.
+ *
+ * One layer's row of the layer table: the address of each of its tensors, in this order (0 for
+ * an absent bias). quire_layer_field_names[f] is the name of field f (its enum name in lower
+ * case without the F_), exported with quire_layer_field_count so that the loader (native.py)
+ * checks its own list against this one, name by name, before it calls anything. */
+enum quire_layer_field {
+    F_INPUT_NORM, /* [hidden] */
+    F_Q,          /* [heads * head_dim, hidden] */
+    F_Q_BIAS,     /* [heads * head_dim] or 0 */
+    F_K,          /* [kv_heads * head_dim, hidden] */
+    F_K_BIAS,     /* [kv_heads * head_dim] or 0 */
+    F_V,          /* [kv_heads * head_dim, hidden] */
+    F_V_BIAS,     /* [kv_heads * head_dim] or 0 */
+    F_O,          /* [hidden, heads * head_dim] */
+    F_O_BIAS,     /* [hidden] or 0 */
+    F_POST_NORM,  /* [hidden] */
+    F_GATE,       /* [inter, hidden] */
+    F_GATE_BIAS,  /* [inter] or 0 */
+    F_UP,         /* [inter, hidden] */
+    F_UP_BIAS,    /* [inter] or 0 */
+    F_DOWN,       /* [hidden, inter] */
+    F_DOWN_BIAS,  /* [hidden] or 0 */
+    F_K_CACHE,    /* the layer's K pool (written at `slots`, read by the attention) */
+    F_V_CACHE,    /* the layer's V pool */
+    QUIRE_LAYER_FIELDS
+};
+extern const char *const quire_layer_field_names[QUIRE_LAYER_FIELDS];
+extern const int64_t quire_layer_field_count;
+
+/* The arguments of quire_decoder_decode, mirrored field for field by native.DecoderArgs (a
+ * ctypes.Structure). The library exports every field's name, in order, with its offset
+ * (quire_decoder_arg_names, quire_decoder_arg_offsets, quire_decoder_arg_count) and the size of
+ * the whole (quire_decoder_args_size): the loader refuses a library whose layout differs from its
+ * mirror.
+ *
+ * Every tensor is fp32 and C-contiguous unless stated. Ownership: the caller owns every array and
+ * keeps it alive for the call; the call reads the weights, writes the step's K/V into the pools
+ * and the logits, and keeps no pointer after it returns. Who checks what: the caller
+ * (cpu/decoder.py) checks every shape and every index (token ids inside the embedding, rope rows
+ * inside cos/sin, block ids and slots inside the pools, each length inside its table row) and
+ * that 1 <= n; this code trusts them and checks only layer_fields. */
+struct quire_decoder_args {
+    /* The model, fixed for the life of a DecoderStack. */
+    const int64_t *layers;   /* int64 [num_layers, layer_fields]: addresses, as the enum above */
+    int64_t layer_fields;    /* must equal QUIRE_LAYER_FIELDS (else the call returns 2) */
+    int64_t num_layers;
+    const int64_t *windows;  /* int64 [num_layers]: sliding window, 0 for none */
+    const float *scales;     /* [num_layers]: softmax scale */
+    const float *embed;      /* [vocab_rows, hidden] */
+    const float *final_norm; /* [hidden] */
+    const float *lm_head;    /* [vocab, hidden] */
+    const float *lm_bias;    /* [vocab] or NULL */
+    int64_t vocab;           /* logits per row */
+    int64_t hidden;
+    int64_t heads;
+    int64_t kv_heads;        /* divides heads */
+    int64_t head_dim;        /* even (RoPE rotates halves) */
+    int64_t inter;           /* the MLP's width */
+    float eps;               /* every RMSNorm's epsilon */
+    int64_t block_size;      /* tokens per block of the pools */
+    /* The step. */
+    int64_t n;               /* sequences, one new token each */
+    const int64_t *ids;      /* int64 [n]: token ids, each in 0 .. vocab_rows - 1 */
+    const float *cos;        /* [rope_rows_total, head_dim]: the model's rotary cos */
+    const float *sin;        /* [rope_rows_total, head_dim] */
+    const int64_t *rope_rows; /* int64 [n]: token t's row in cos/sin */
+    const int64_t *slots;    /* int64 [n]: block_id * block_size + offset of the new token */
+    const int32_t *tables;   /* int32 [n, table_stride]: block ids, as quire_paged_decode */
+    int64_t table_stride;
+    const int64_t *lens;     /* int64 [n]: context length including the new token */
+    float *logits;           /* [n, vocab], written */
+    int64_t num_threads;     /* OpenMP threads for the matmuls and the attention */
+};
+extern const char *const quire_decoder_arg_names[];
+extern const int64_t quire_decoder_arg_offsets[];
+extern const int64_t quire_decoder_arg_count;
+extern const int64_t quire_decoder_args_size;
+
+/* Returns 0; 1 when scratch memory could not be allocated (the logits are not written, and the
+ * K/V of some layers may be: the caller fails the step); 2 when args->layer_fields is not
+ * QUIRE_LAYER_FIELDS (nothing is touched). */
+int quire_decoder_decode(const struct quire_decoder_args *args);
+
 /* exp(x) for x <= 0 (a softmax numerator), written so that the compiler vectorizes it: libm's
  * expf is a call per element, a quarter of this kernel's time. Range reduction x = n ln2 + r with
  * n = round(x / ln2) (adding and subtracting 1.5 * 2^23 rounds to nearest), |r| <= ln2 / 2, ln2
