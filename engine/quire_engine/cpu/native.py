@@ -386,6 +386,45 @@ def reset() -> None:
         cached.cache_clear()
 
 
+def _identity(cc: str) -> list[bytes]:
+    """What the cache key covers besides the flags: sources, headers, compiler, CPU."""
+    identity = [*(src.read_bytes() for src in SOURCES + HEADERS), _version(cc).encode()]
+    identity.append(_cpu_identity().encode())
+    identity.append(platform.machine().encode())
+    return identity
+
+
+def _load(cc: str, identity: list[bytes], flags: tuple[str, ...], directory: Path) -> Library | str:
+    """The library built with ``flags`` in ``directory`` (built there first unless cached), or
+    what went wrong."""
+    flag_text = " ".join(_BASE_FLAGS + flags).encode()
+    key = hashlib.sha256(b"\0".join([*identity, flag_text])).hexdigest()[:20]
+    target = directory / f"quire_native-{key}.so"
+    if not target.exists():
+        problem = _build(cc, flags, target)
+        if problem is not None:
+            return f"{' '.join(flags) or '(no flags)'}: {problem}"
+    try:
+        return Library(ctypes.CDLL(str(target)), target, flags)
+    except OSError as exc:
+        return f"{target}: {exc}"
+
+
+def build(flags: tuple[str, ...], directory: Path) -> Library:
+    """The library compiled with exactly ``flags`` after the base flags, cached in ``directory``
+    like ``library``'s; ``RuntimeError`` with the compiler's message when there is no compiler or
+    the build fails. For checks of the sources (a build with warnings as errors, one with
+    AddressSanitizer); the engine's kernels come from ``library``."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    directory.mkdir(parents=True, exist_ok=True)
+    found = _load(cc, _identity(cc), flags, directory)
+    if isinstance(found, str):
+        raise RuntimeError(f"the native kernels did not build with {cc}: {found}")
+    return found
+
+
 @functools.cache
 def library() -> Library | None:
     """The native kernels' library, built or loaded once per process; None when it is turned
@@ -400,9 +439,7 @@ def library() -> Library | None:
             "matmuls use the slower torch paths"
         )
         return None
-    identity = [*(src.read_bytes() for src in SOURCES + HEADERS), _version(cc).encode()]
-    identity.append(_cpu_identity().encode())
-    identity.append(platform.machine().encode())
+    identity = _identity(cc)
     directory = cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -413,21 +450,12 @@ def library() -> Library | None:
         logger.info("kernel cache unusable (%s); building into %s", exc, directory)
     errors: list[str] = []
     for flags in FLAG_SETS:
-        flag_text = " ".join(_BASE_FLAGS + flags).encode()
-        key = hashlib.sha256(b"\0".join([*identity, flag_text])).hexdigest()[:20]
-        target = directory / f"quire_native-{key}.so"
-        if not target.exists():
-            problem = _build(cc, flags, target)
-            if problem is not None:
-                errors.append(f"{' '.join(flags) or '(no flags)'}: {problem}")
-                continue
-        try:
-            cdll = ctypes.CDLL(str(target))
-        except OSError as exc:
-            errors.append(f"{target}: {exc}")
+        found = _load(cc, identity, flags, directory)
+        if isinstance(found, str):
+            errors.append(found)
             continue
-        logger.info("native CPU kernels: %s (%s)", target, " ".join(flags))
-        return Library(cdll, target, flags)
+        logger.info("native CPU kernels: %s (%s)", found.path, " ".join(flags))
+        return found
     logger.warning(
         "could not build the native CPU kernels with %s; decode attention and small-batch "
         "matmuls use the slower torch paths:\n%s",

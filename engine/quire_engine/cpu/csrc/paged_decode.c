@@ -264,6 +264,7 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const floa
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
                        int64_t window, float softcap, float *out, int64_t num_threads)
 {
+    (void)num_threads; /* unused in a build without OpenMP */
     int failed = 0;
     /* Threads split sequences, never one sequence: see the header on determinism. Scratch per
      * thread: each query head's KV offset, then its running max and sum, then heads x block_size

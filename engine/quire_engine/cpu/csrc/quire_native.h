@@ -163,6 +163,17 @@ static inline float exp_nonpositive(float x)
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 
+/* Builds without the vector units or OpenMP (native.FLAG_SETS' fallbacks) are meant to compile
+ * warning-free too: the helpers below pass 256-bit vectors between static inline functions only,
+ * never across an ABI boundary (GCC's -Wpsabi note is moot), and without OpenMP its pragmas are
+ * meant to be ignored (the kernels then run on one thread). */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__AVX__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+#if defined(__GNUC__) && !defined(_OPENMP)
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+#endif
+
 /* Every lane v. */
 static inline vec vec_splat(float v)
 {
@@ -291,8 +302,8 @@ static inline void prefetch_l2(const void *p)
  * load ports, not the multiply-adds, bound the tile. */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && LANES == 16
 #define IN_REGISTER(v) __asm__("" : "+v"(v)) /* any of the 32 vector registers */
-#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
+#define IN_REGISTER(v) __asm__("" : "+x"(v)) /* a 256-bit vector: an AVX register */
 #else
 #define IN_REGISTER(v) ((void)0)
 #endif

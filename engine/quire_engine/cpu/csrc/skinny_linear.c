@@ -361,6 +361,7 @@ void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const floa
                          const float *bias, int64_t N, int64_t K, float *y, int64_t y_stride,
                          int64_t num_threads)
 {
+    (void)num_threads; /* unused in a build without OpenMP */
     if (M > BLOCKED_FROM) {
         /* Blocks of about BLOCK_BYTES of W, a whole number of tiles, at most BLOCK_MAX rows. */
         int64_t nb = BLOCK_BYTES / ((int64_t)sizeof(float) * (K > 0 ? K : 1));
