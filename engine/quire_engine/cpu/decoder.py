@@ -1,13 +1,10 @@
 """A decode step of a few sequences of a Llama-shaped model on CPU, in one native call.
 
-At a few rows a decode step streams every weight once and does little arithmetic, so the
-matmuls (``linear_cpu``) and the attention (``native.paged_decode``) run at this machine's
-memory bound already, and what the module-by-module forward adds is dispatch: RMSNorm as seven
-tensor ops, RoPE as eight, SiLU, residual adds, views and a Python call per module and per op.
-``csrc/decoder_decode.c`` runs the whole stack in one call instead, through the same matmul and
-attention kernels, and this module decides when it may. Decode steps of the 32.5M Llama on one
-thread took 0.65x the module path's time at 1-4 sequences and 0.80-0.86x at 8-16 (alternating
-runs in one process; ``MAX_ROWS`` below for larger steps).
+At a few rows a decode step streams every weight once and does little arithmetic, and what
+the module-by-module forward adds is dispatch: RMSNorm as seven tensor ops, RoPE as eight, SiLU,
+residual adds, views and a Python call per module and per op. ``csrc/decoder_decode.c`` runs the
+whole stack in one call instead, through the same matmul and attention kernels, and this module
+decides when it may (the measured gains are in docs/benchmarks.md).
 
 When: the model is one of ``FAMILIES`` (their decoder layer is transformers' Llama layer:
 pre-norm RMSNorm, RoPE over the full head, SiLU-gated MLP, no logit scaling or soft-cap) with
@@ -76,11 +73,9 @@ FAMILIES: dict[type, tuple[type, ...]] = {
     ),
 }  # fmt: skip
 
-# The most sequences a step may have to run here. Up to linear_cpu.MAX_ROWS (16) the module path
-# calls the same matmul kernel; above it the module path's BLAS is as fast as that kernel alone,
-# and the dispatch saved still wins: in alternating runs of decode steps of the 32.5M Llama on one
-# thread, this path took 0.79-0.82x the module path's time at 24-48 sequences of ~330 tokens,
-# 0.96x at 64 and 128 sequences of ~70 tokens, and 1.10x at 256 (the BLAS's GEMM wins there).
+# The most sequences a step may have to run here (also the C code's documented limit). Up to
+# linear_cpu.MAX_ROWS (16) the module path calls the same matmul kernel; above it the module
+# path's BLAS, whose GEMM overtakes the saved dispatch past this many rows (docs/benchmarks.md).
 MAX_ROWS = 64
 
 
@@ -240,9 +235,7 @@ class DecoderStack:
         Each element is ``cos(p * inv_freq[i]) * scaling`` (``sin`` alike), a function of its
         position alone, so a table made by one call of the module over positions ``[0, rows)``
         holds the values a call per step gives, and the kernel reads a token's row in place
-        (its row is its position). Cold, after a step has streamed the weights, the module's
-        forward took ~0.4 ms per step and gathering rows from the table ~0.2 ms; the table's
-        rows cost nothing here."""
+        (its row is its position), with no per-step call of the module and no gather."""
         need = int(positions.max()) + 1
         # Past the pool's token count (only a windowed sequence gets there) no table is kept:
         # it stays within 2x the pool's tokens, a row 1/(layers x KV heads) of a pool's row.
@@ -271,7 +264,7 @@ _DYNAMIC_ROPE = frozenset({"dynamic", "longrope"})
 def _addresses(sources: list[tuple[torch.nn.Module, str]]) -> list[int]:
     """The address of each (module, parameter name)'s tensor now; 0 for None (no bias). Read
     from the module's parameter dict, where ``Module.__getattr__`` finds it too, without that
-    fallback's cost (~0.9 us per read, x148 per step for the 32.5M Llama)."""
+    fallback's cost (it runs once per weight per step)."""
     found = [module._parameters.get(name) for module, name in sources]
     return [0 if t is None else t.data_ptr() for t in found]
 

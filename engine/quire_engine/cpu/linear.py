@@ -2,21 +2,23 @@
 
 A decode step of a few sequences multiplies a handful of rows by every weight of the model, so
 its matmuls are bound by streaming the weights from memory. A BLAS sgemm first packs panels of
-the weight into scratch, which at 2-16 rows costs about as much again; ``csrc/skinny_linear.c``
-reads each weight once, in place. Measured on one core (AMD EPYC, the 32.5M Llama's 64 weights
-cold in memory, ``quire-engine bench linear``): 1.3-1.6x faster than MKL at 2-12 rows, 1.1x at
-16, parity at 1 (MKL's gemv streams well) and at 24, slower from 32, hence ``MAX_ROWS``.
+the weight into scratch, which at a few rows adds about as much traffic again;
+``csrc/skinny_linear.c`` reads each weight once, in place. Calls of at most ``MAX_ROWS`` rows go
+to it (above, the BLAS is as fast or faster: ``quire-engine bench linear``; figures in
+docs/benchmarks.md).
 
 Rows above ``MAX_ROWS`` (prefill chunks, mixed steps) go to a GEMM: oneDNN's fp32 linear
 (``gemm``) where this torch has it, ``torch.nn.functional.linear`` (MKL's sgemm in the official
 wheels) otherwise. MKL picks its AVX-512 kernels only on Intel CPUs; elsewhere it runs its AVX2
-ones, half an AVX-512 core's multiply-add rate, while oneDNN dispatches on the CPU's features.
-On an AMD EPYC Zen 5 core (one thread, in cache): 185-198 GFLOP/s against MKL's 83-88 at
-256-2,048 rows of the 32.5M Llama's linears, 117-174 against 57-86 at 17-64 rows. Other dtypes,
-autograd, and modules whose weight the kernels cannot read (not fp32, not contiguous, not on
-CPU) go to ``F.linear`` unchanged. Inside the few-row range every output element is summed in
-an order that depends only on the input width, so in a step of at most 16 rows a sequence's
-matmul results are the same bits whatever other sequences share the step.
+ones, while oneDNN dispatches on the CPU's features. Other dtypes, autograd, and modules whose
+weight the kernels cannot read (not fp32, not contiguous, not on CPU) go to ``F.linear``
+unchanged.
+
+Contract: inside the few-row range every output element is summed in an order that depends only
+on the input width, so in a step of at most ``MAX_ROWS`` rows a sequence's matmul results are
+the same bits whatever other sequences share the step; results differ from ``F.linear``'s by
+rounding. ``_Routed`` checks what the unchecked ``SkinnyLinear.launch`` relies on (dtype,
+device, width, a readable weight, contiguous input) at every call.
 
 Ownership: ``install`` sets an instance ``forward`` on each routed ``nn.Linear`` of the one
 model it is given (the class, its hooks and other models are untouched); the module keeps its

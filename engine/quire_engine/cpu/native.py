@@ -9,7 +9,7 @@
   sgemm's packing of the weight doubles the memory traffic that bounds the call
   (``linear_cpu`` routes the calls).
 * ``csrc/decoder_decode.c``: a whole decode step of a few sequences of a Llama-shaped model in
-  one call, built on the two kernels above (``decoder_cpu`` checks the model and drives it):
+  one call, built on the two kernels above (``decoder`` checks the model and drives it):
   at a few rows the module-by-module forward pays per-op dispatch that this call does not.
 
 ``csrc/quire_native.h`` declares every kernel's entry point and the math they share.
@@ -27,10 +27,16 @@ Build and cache (the same approach as Triton's launchers and torch's inline exte
 * ``QUIRE_NATIVE_KERNELS=0`` turns them off. Without a compiler, or when the build fails, the
   engine logs one warning and runs the torch paths: slower, same results to rounding.
 
-Ownership: this module owns the compiled library (one per process, loaded once) and checks every
-tensor's dtype, shape and strides before a pointer crosses into C; the callers
-(``CpuAttentionPlan``, ``linear_cpu``) own the index arrays and the routing, and the plan checks
-that its indices stay inside the pool.
+Contract. This module owns the compiled library (one per process, loaded once). The C code
+trusts what it is given; Python checks it first: ``PagedDecode`` and ``SkinnyLinear`` check every
+tensor's dtype, shape and strides before a pointer crosses into C (``SkinnyLinear.launch`` skips
+them for ``linear``'s router, which checks what it needs itself); the callers
+(``CpuAttentionPlan``, ``linear``, ``decoder.DecoderStack``) own the index arrays and the
+routing and check that every index stays inside its pool, table or embedding. At load,
+``DecoderDecode`` checks that the library's layer table and argument struct
+(``csrc/quire_native.h``) are the ones ``LAYER_FIELDS`` and ``DecoderArgs`` describe, by name,
+and refuses the library otherwise. Return codes of the C entry points become exceptions here:
+``MemoryError`` (scratch allocation failed), ``RuntimeError`` (a table that disagrees).
 """
 
 from __future__ import annotations

@@ -1,49 +1,37 @@
 /* Paged decode attention on CPU (fp32): one query token per sequence, read against that
  * sequence's K/V blocks where they lie in the pool. No gather, no padding, no mask.
  *
- * Loaded by quire_engine/cpu/native.py (compiled on first use, cached per machine) and called
- * by CpuAttentionPlan for the decode rows of a step, once per layer. The semantics are those of
- * paged_attention_reference for a one-token query: the query at position len - 1 sees keys
+ * Contract. Loaded by quire_engine/cpu/native.py (PagedDecode) and called by CpuAttentionPlan
+ * for the decode rows of a step, once per layer, and by decoder_decode.c. The semantics are those
+ * of paged_attention_reference for a one-token query: the query at position len - 1 sees keys
  * 0 .. len - 1, or with a sliding window W > 0 keys max(0, len - W) .. len - 1 (blocks wholly
  * before that are never read: a windowed model releases them); with a soft-cap c > 0 the scores
  * are c * tanh(scale * q.k / c). Results match it to rounding, not bit for bit (another
  * summation order).
  *
- * Speed: at the 32.5M Llama's shapes (8 query heads, 4 KV heads, D 64, blocks of 16) a step's
- * K/V is far larger than the caches, and randomly placed 16 KB blocks read at 6-8 GB/s here with
- * no arithmetic at all (9-10 contiguous). Fused multiply-adds and eight independent dot chains
- * took the kernel from ~4 to ~5 GB/s; reading each block straight through, token by token (every
- * query head against its KV head's part of the row) instead of KV head by KV head in strided
- * pieces, to 6-7: 0.68-0.76x the time at 16-48 sequences of 250-400 tokens, 0.72-0.86x at one
- * of 800, the same output values (a C harness over 9 layers' pools with shuffled tables, best
- * of 15 alternating runs; with the K/V in cache that two-pass kernel was 1.3-1.4x slower, its
- * second pass's output rows going through L1 per token). With AVX-512 (16 lanes, half the
- * instructions per row) the engine's native decode steps of 17-64 sequences took 0.93-0.96x the
- * time they took with this kernel at 8 lanes, the same at one (the matmuls at 16 lanes in both;
- * benchmarks/native_ab.py --rtol, Zen 5). One pass with an online softmax (decode_one) instead
- * of all the K and then all the V, and pass 2's output rows in registers over a block: 0.73-0.87x
- * the kernel's time in a harness (9 layers' pools, 1-48 sequences of 300-800 tokens, shuffled
- * blocks), 0.95-0.99x the native decode steps' time per class of step size (0.97x overall).
- * With the K/V in cache the kernel reads ~15 GB/s, about what it reads out of cache: its
- * arithmetic, not the memory, bounds it now.
- *
  * Layouts (all fp32 except the index arrays):
- *   q        [T, heads, D], row stride q_tok, head stride q_head, D contiguous
+ *   q        [T, heads, D], row stride q_tok, head stride q_head (in floats), D contiguous
  *   k, v     [num_blocks, block_size, kv_heads, D] contiguous (the runner's pools)
- *   rows     int64 [n]: the query/output row of each sequence
+ *   rows     int64 [n]: the query/output row of each sequence, each < T
  *   tables   int32 [n, table_stride]: block ids, the first ceil(len / block_size) used
- *   lens     int64 [n]: context length including the step's token (>= 1)
+ *   lens     int64 [n]: context length including the step's token, 1 .. table_stride * block_size
  *   window   0: none; softcap 0: none
  *   out      [T, heads, D] contiguous; only the n rows are written
+ *
+ * How: each sequence is computed in one pass over its blocks with an online softmax
+ * (decode_one), each block read straight through, token by token (every query head against its
+ * KV head's part of the row), while the same row of the sequence's next block is prefetched
+ * (hardware prefetchers stop at page boundaries, and the next block is anywhere in the pool).
  *
  * Grouped-query attention: query head hq reads KV head hq / (heads / kv_heads), as transformers'
  * repeat_kv maps them. A sequence is computed by one thread from start to end, in an order that
  * depends only on its own data, so its output is the same bits whatever the batch around it and
  * whatever the thread count.
  *
- * The caller (native.py) checks dtypes, shapes and strides; the plan checks that every block id
- * is inside the pool and every length inside its table. Returns 0, or 1 when scratch memory
- * could not be allocated (nothing is written then for the rows of the failing thread).
+ * Who checks what: the caller (native.py) checks dtypes, shapes and strides; the plan (or
+ * decoder.py) checks that every block id is inside the pool, every length inside its table row
+ * and every row below T. This code trusts all of it. Returns 0, or 1 when scratch memory could not
+ * be allocated (nothing is written then for the rows of the failing thread).
  */
 #include <math.h>
 #include <stdint.h>
@@ -167,13 +155,11 @@ static inline void accumulate_v(float *o, const float *p, const float *vg, int64
  * m and sum l and its output row o (heads x D floats, in L1) rescaled by exp(m_old - m_new) when
  * the block raises the maximum, then o_h += exp(s - m) v_t for the block's V rows in the same
  * order; at the end o_h / l_h. While the K rows of a block are read, the same rows of the
- * block's V and of the next block's K are prefetched, so both streams are in flight at once: a
- * pass over all K and then one over all V read randomly placed 16 KB blocks one stream at a
- * time (a read-only harness of the two orders on a Zen 5 core: 14-18 against 16-24 GB/s).
+ * block's V and of the next block's K are prefetched, so both streams are in flight at once
+ * (a pass over all K and then one over all V would read one stream at a time).
  * `kv_off[h]`: where query head h's KV head starts in a K or V row, (h / (heads / kv_heads)) *
- * head_dim, computed once per call (an integer division per head and token before:
- * 0.985x the native decode steps' time without them); `scores`: heads x block_size floats of scratch; `m`, `l`: heads floats
- * each. */
+ * head_dim, computed once per call (no integer division per head and token); `scores`:
+ * heads x block_size floats of scratch; `m`, `l`: heads floats each. */
 static void decode_one(const float *q, int64_t q_head, const float *k, const float *v,
                        const int32_t *table, int64_t len, int64_t first, int64_t block_size,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,

@@ -145,15 +145,13 @@ static inline float exp_nonpositive(float x)
 }
 
 /* Vectors of LANES floats for the kernels' inner loops (GCC/clang vector extensions): one
- * AVX-512 register where the CPU has them (16 lanes), else one AVX register or two NEON
- * registers (8 lanes). Why 16 where it can: a Zen 5 core issues two 512-bit multiply-adds per
- * cycle, twice the floats of two 256-bit ones (MKL's AVX2 kernels on AMD reach 83-88 GFLOP/s
- * there, oneDNN's AVX-512 ones 185-198), and every kernel here issues half the instructions for
- * the same floats. The lane count sets the summation order of every dot product (lane l sums
- * elements l, l + LANES, ...), so results differ by rounding between an AVX-512 and an AVX2
- * build; within one build the order depends on nothing else (batch invariance holds). A source
- * file defining QUIRE_LANES_8 before including this header gets 8 lanes anyway (for A/B builds:
- * each kernel's order is its own, so its files may differ in this). */
+ * AVX-512 register where the CPU has them (16 lanes: half the instructions for the same floats),
+ * else one AVX register or two NEON registers (8 lanes). The lane count sets the summation
+ * order of every dot product (lane l sums elements l, l + LANES, ...), so results differ by
+ * rounding between an AVX-512 and an AVX2 build; within one build the order depends on nothing
+ * else (batch invariance holds). A source file defining QUIRE_LANES_8 before including this
+ * header gets 8 lanes anyway (for A/B builds: each kernel's order is its own, so its files may
+ * differ in this). */
 #if defined(__AVX512F__) && !defined(QUIRE_LANES_8)
 #define LANES 16
 #else
@@ -279,15 +277,9 @@ static inline __attribute__((always_inline)) void lanes_sums(const vec *acc, con
 /* Asks for the 64-byte line at p to be brought into the second-level cache, ahead of its use
  * (locality 2: prefetcht1 on x86, PRFM PLDL2KEEP on Arm). Both kernels stream data that the
  * hardware prefetcher does not fetch early enough on its own (W several rows at a time, K/V
- * blocks anywhere in the pool). Why L2 and not L1 or non-temporal: on a Zen 4 core, with the
- * same lines requested at the same points, locality 3 (prefetcht0, into L1) or 0 (prefetchnta,
- * which the few-row matmul used) took 1.4-1.7x the time of this at 2-8 rows of x in
- * skinny_linear.c, and the K/V reads of paged_decode.c (locality 3) 1.3-1.4x (C harnesses
- * linking both versions, alternating); localities 1 and 2 were the same. In the engine's own
- * decode steps (benchmarks/native_ab.py on the offline 32m workload, every step run by both
- * builds in turn, the one-row matmuls now prefetching too): 0.79x the time at one sequence,
- * 0.67x at 2-4, 0.70x at 5-16, 0.85x at 17-32, 0.92x at 33-64. Our reading: a request into L1
- * holds one of the core's few L1 miss buffers until its line arrives, one into L2 does not. */
+ * blocks anywhere in the pool). L2 rather than L1 or non-temporal: a request into L1 holds one of
+ * the core's few L1 miss buffers until its line arrives, one into L2 does not (measured: see
+ * docs/benchmarks.md). A hint only: no effect on results. */
 static inline void prefetch_l2(const void *p)
 {
 #if defined(__GNUC__)

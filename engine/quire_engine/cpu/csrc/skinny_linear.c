@@ -2,63 +2,40 @@
  * batch, where every step streams all the model's weights from memory and does little
  * arithmetic with each.
  *
- * Loaded by quire_engine/cpu/native.py and called through cpu/linear.py for
- * nn.Linear forwards with at most linear_cpu.MAX_ROWS (16) rows, and by the native decode step
- * (decoder_decode.c) for every matmul of up to decoder_cpu.MAX_ROWS (64) sequences. Why not the
- * BLAS: a general sgemm packs panels of W into a scratch buffer before it multiplies, which at
- * a handful of rows doubles the memory traffic that bounds the call (measured with MKL on one
- * core: 2 rows cost 1.6x one row; `quire-engine bench linear`). Here every element of W is read
- * once, straight from the weight, and used for every row of x while it is in registers.
+ * Contract. Loaded by quire_engine/cpu/native.py (SkinnyLinear) and called through
+ * cpu/linear.py for nn.Linear forwards with at most linear.MAX_ROWS (16) rows, and by the native
+ * decode step (decoder_decode.c) for every matmul of up to decoder.MAX_ROWS (64) sequences.
+ * Every element of W is read once, straight from the weight (no packed copy, as a BLAS sgemm
+ * makes), and used for every row of x while it is in registers.
  *
  * Layouts (fp32):
- *   x     [M, K], row stride x_stride, K contiguous
+ *   x     [M, K], row stride x_stride (in floats), K contiguous
  *   w     [N, K] contiguous (nn.Linear's weight)
  *   bias  [N] or NULL
- *   y     [M, N], row stride y_stride, N contiguous
+ *   y     [M, N], row stride y_stride, N contiguous; every element written
+ * No return value: the call allocates nothing and cannot fail.
  *
- * Tiling: a tile is ROWS_W rows of W against up to ROWS_X rows of x, ROWS_W * ROWS_X vector
- * accumulators of LANES floats (12 of AVX2's 16 registers, with two for W and one for x), so
- * each W vector is loaded once per tile and x stays in L1. With 1-4 rows of x (one group) the
- * tiles are wider in W (WIDE: 8, 4, 4, 3 rows of W): a 2-row tile keeps only 2-8
- * accumulators and two W streams in flight there. Best of 14 alternating passes over the 32.5M
- * Llama's 64 weights, cold, one thread, the 2-row tiles -> these: 0.85-0.92x the time at one
- * row, 0.91 at two, 0.91-0.94 at three, 0.94-0.98 at four (a C harness linking both versions).
- * From 5 rows on, x is held in a register for each of its multiply-adds (GCC otherwise reloads
- * it per W row), the lane sums of a tile run four at a time in vector form, and every row group
- * prefetches its share of the next tiles: 0.74-0.92x the time at 8-64 rows (same harness, best
- * of 9 alternating passes; 0.95-1.04x at 1-6 rows, within the harness's noise).
- * The rows of x are split into ceil(M / 6) groups of sizes that differ by at most one
- * (`group_start`): with 6-row groups and the rest, 7, 13, 19 or 25 rows ended in a one-row
- * group that re-read every W tile for two multiply-adds per vector. Even groups took 0.75-0.80x
- * the time at those sizes and 0.87-0.98x at most others (best of 25 alternating passes, weights
- * 64-byte aligned as torch's are); in the engine's own decode steps of the offline 32m workload,
- * each step run by both builds in turn, 0.95x at 5-16 sequences and 0.94x at 17-32.
- * Above 16 rows (the native decode step's 17-64 sequences) the arithmetic, not the weight
- * stream, bounds the call, and in the order above every W tile met all the row groups of x in
- * turn: 6 x vectors per 12 multiply-adds came from L2 (x outgrows L1 past a few rows), which
- * bound the tile at about half the multiply-add rate. There W is taken in blocks that fit L2
- * (`blocked`): each row group of x runs over the whole block, one chunk of K at a time, so its
- * chunk of x stays in L1 and only W comes from L2; the first group's pass reads the block from
- * memory, and every group prefetches its share of the next block. Same harness, best of 9-15,
- * over several runs: 0.73-0.94x the time at 32-64 rows, 0.92-0.99x at 24 (0.88-1.47x at 8-16
- * rows, hence only above 16).
- * With AVX-512 (LANES 16, quire_native.h) the tiles are 4 rows of W wide (ROWS_W: 24 of the 32
- * registers at 6 rows of x), and 1-6 rows of x, where the call streams W, run tile_halves:
- * each 16-lane accumulator as two 8-lane halves in AVX registers (the same bits). On a Zen 5
- * core against the AVX2 build (8 lanes, 2-row tiles), in the engine's decode steps of the
- * offline 32m workload (benchmarks/native_ab.py --rtol, matmuls and attention together): 1.00x
- * the time at one sequence, 0.92x at 2-4, 0.86x at 5-16, 0.73x at 17-32, 0.71x at 33-64. With
- * 512-bit loads at 2-5 rows the time was 1.1-1.3x, whatever the tile width or prefetch distance.
- * Order of summation: y[m, n] is lane l summing k = l, l + LANES, ... below K - K % LANES,
- * then the lanes added pairwise, then the scalar tail, then the bias: the same order whatever
- * M, the tile a row lands in, the order of the loops (blocked or not: a chunk's partial sums
- * are stored and reloaded as they are) and the thread count. So a row's result is the same bits
- * whatever the batch around it (batch invariance), which the BLAS does not promise; it differs
- * from the BLAS's by rounding.
+ * Order of summation (the contract tests rely on): y[m, n] is lane l summing k = l, l + LANES,
+ * ... below K - K % LANES, then the lanes added pairwise, then the scalar tail, then the bias:
+ * the same order whatever M, the tile a row lands in, the order of the loops (blocked or not: a
+ * chunk's partial sums are stored and reloaded as they are) and the thread count. So a row's
+ * result is the same bits whatever the batch around it (batch invariance), which the BLAS does
+ * not promise; it differs from the BLAS's by rounding, and between an AVX-512 build (LANES 16)
+ * and an 8-lane one.
+ *
+ * Structure: a tile is ROWS_W rows of W against up to ROWS_X rows of x, ROWS_W * ROWS_X vector
+ * accumulators of LANES floats, so each W vector is loaded once per tile and x stays in L1.
+ * With 1-4 rows of x (1-6 with AVX-512: tile_halves, each 16-lane accumulator as two 8-lane
+ * halves, the same bits) the tiles are wider in W (WIDE). The rows of x are split into
+ * ceil(M / 6) groups of sizes that differ by at most one (group_start), and every row group
+ * prefetches its share of the next tiles. Above BLOCKED_FROM (16) rows, W is taken in blocks
+ * that fit L2 (blocked): each row group of x runs over the whole block, one chunk of K at a time,
+ * so its chunk of x stays in L1 and only W comes from L2.
  *
  * Threads (OpenMP, torch's thread count) split the columns n in whole tiles (blocks, in the
  * blocked order); never one dot.
- * The caller (native.py) checks dtypes, shapes, strides and devices.
+ * Who checks what: the caller (native.py, or linear.py through SkinnyLinear.launch after its own
+ * checks) checks dtypes, shapes, strides and devices; this code trusts them.
  */
 #include <stdint.h>
 #include <string.h>
@@ -186,10 +163,8 @@ tile(const float *x, int64_t x_stride, const int MX, const float *w, const int N
 /* tile() for the one-group tiles at 1-6 rows of x, with each 16-lane accumulator kept as two
  * 8-lane halves (vec_fold: the same multiply-adds on the same lanes, so the same bits as tile()
  * and batch invariance across M): AVX registers, of which AVX-512 also has 32. Why: at 1-6 rows
- * the call streams W and barely computes, and with 512-bit loads the tiles at 2-5 rows took
- * 1.1-1.3x the time of 256-bit ones (the same tiles; their 16-lane versions, wider or not, and
- * other prefetch distances were no better), in the engine's decode steps 1.09x at one sequence
- * and 1.11x at 2-4 (benchmarks/native_ab.py). Whole K (no chunks); `ahead` as in tile(). */
+ * the call streams W and barely computes, and 256-bit loads stream it faster than 512-bit ones
+ * there (docs/benchmarks.md). Whole K (no chunks); `ahead` as in tile(). */
 static inline __attribute__((always_inline)) void
 tile_halves(const float *x, int64_t x_stride, const int MX, const float *w, const int NW,
             int64_t K, const float *bias, float *y, int64_t y_stride, const float *ahead)
