@@ -88,7 +88,7 @@ class RunningServer:
             return (
                 m[("quire_num_requests_running", ())] == 0
                 and m[("quire_num_requests_waiting", ())] == 0
-                and m[("quire_kv_blocks_free", ())] == m[("quire_kv_blocks_total", ())]
+                and m[("quire_kv_blocks_free", ())] == m[("quire_kv_blocks_capacity", ())]
             )
 
         self.wait_until(idle, "idle")

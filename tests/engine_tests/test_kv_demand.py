@@ -9,14 +9,9 @@ from __future__ import annotations
 import pytest
 
 from quire_engine.core.config import CacheConfig, SchedulerConfig
-from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, Scheduler, kv_demand_blocks
 from quire_engine.core.sequence import Sequence, SequenceStatus
-from quire_engine.engine.metrics import (
-    KV_DEMAND_OUTPUT_SHARE,
-    ServerMetrics,
-    StatsRecorder,
-    kv_demand_blocks,
-)
+from quire_engine.engine.metrics import ServerMetrics, StatsRecorder
 
 
 def make(num_blocks: int = 16, *, max_model_len: int = 128, max_num_seqs: int = 8) -> Scheduler:
@@ -113,7 +108,7 @@ def test_preempted_request_counts_in_full_again() -> None:
 def test_gauge_exports_demand_over_pool_size() -> None:
     sched = make()
     metrics = ServerMetrics("m")
-    recorder = StatsRecorder(metrics, sched)
+    recorder = StatsRecorder(metrics, sched.stats())
 
     def sample(name: str) -> float | None:
         return metrics.registry.get_sample_value(name, {"model_name": "m"})
@@ -121,11 +116,11 @@ def test_gauge_exports_demand_over_pool_size() -> None:
     assert sample("quire_kv_cache_demand_ratio") == 0.0
     sched.add(Sequence("a", [1] * 6, max_tokens=10))
     sched.add(Sequence("b", [2] * 8, max_tokens=4))
-    recorder.refresh()
+    recorder.refresh(sched.stats())
     assert sample("quire_kv_cache_demand_ratio") == 6 / 16
     assert sample("quire_kv_cache_usage_ratio") == 0.0
     finish_all(sched)
-    recorder.refresh()
+    recorder.refresh(sched.stats())
     assert sample("quire_kv_cache_demand_ratio") == 0.0
 
 

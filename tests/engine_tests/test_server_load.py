@@ -14,9 +14,9 @@ from quire_engine import LLM, SamplingParams
 from tests.engine_tests.live_server import RunningServer, Samples, serve, tiny_settings
 from tests.engine_tests.ties import assert_tie_free
 
-EVERY_METRIC = (  # design.md, "Metrics"
+EVERY_METRIC = (  # docs/metrics.md
     "quire_kv_cache_usage_ratio",
-    "quire_kv_blocks_total",
+    "quire_kv_blocks_capacity",
     "quire_kv_blocks_free",
     "quire_num_requests_running",
     "quire_num_requests_waiting",
@@ -71,7 +71,7 @@ def test_64_concurrent_streams_equal_offline_and_metrics_count_them(server: Runn
     for name in EVERY_METRIC:
         assert any(key[0].startswith(name) for key in after), name
     assert after[("quire_kv_cache_usage_ratio", ())] == 0
-    assert after[("quire_kv_blocks_free", ())] == after[("quire_kv_blocks_total", ())] == 256
+    assert after[("quire_kv_blocks_free", ())] == after[("quire_kv_blocks_capacity", ())] == 256
     num_prompt_tokens = sum(len(p.encode()) + 1 for p in prompts)  # bytes + BOS
     assert grew(before, after, "quire_request_success_total", finished_reason="length") == 64
     assert grew(before, after, "quire_prompt_tokens_total") == num_prompt_tokens

@@ -193,7 +193,7 @@ def test_soak_under_preemption_with_cancellations(capsys: pytest.CaptureFixture[
     assert NUM_REQUESTS - given_up <= queued <= NUM_REQUESTS
     assert 1 <= aborted <= len(cancelled)
     assert {job.cancel for job in cancelled} == set(CANCEL_KINDS)
-    assert after[("quire_kv_blocks_free", ())] == after[("quire_kv_blocks_total", ())]
+    assert after[("quire_kv_blocks_free", ())] == after[("quire_kv_blocks_capacity", ())]
     assert after[("quire_num_requests_swapped", ())] == 0
 
     # Every request that was not cancelled completed, with the right number of samples.

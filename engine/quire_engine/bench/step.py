@@ -146,8 +146,7 @@ def _measure(
                 timings.append((t1 - t0) / 1000)
                 if recorder is not None:  # as AsyncEngine does after every step
                     now = time.monotonic()
-                    recorder.step(outputs, now, now)
-                    recorder.refresh()
+                    recorder.step(outputs, now, now, engine.scheduler.stats())
                     accounting.append((time.thread_time_ns() - t1) / 1000)
     finally:
         for rid in ids:
@@ -172,7 +171,7 @@ def _measure(
 
 def _recorder(engine: engine_module.LLMEngine, ids: list[str]) -> StatsRecorder:
     """A server's metric accounting for the running requests (its own registry)."""
-    recorder = StatsRecorder(ServerMetrics("bench-step"), engine.scheduler)
+    recorder = StatsRecorder(ServerMetrics("bench-step"), engine.scheduler.stats())
     now = time.monotonic()
     for rid in ids:
         recorder.added(rid, 0, now)

@@ -370,7 +370,7 @@ class AsyncEngine:
         try:
             engine = self._factory(self.config)
             _warm_up(engine)
-            recorder = StatsRecorder(self.metrics, engine.scheduler)
+            recorder = StatsRecorder(self.metrics, engine.scheduler.stats())
             tokenizer = copy.deepcopy(engine.tokenizer)
             self.info = ModelInfo(
                 engine.model_name, engine.max_model_len, tokenizer, engine.sampling_defaults
@@ -405,8 +405,7 @@ class AsyncEngine:
             self.steps += 1
             if not outputs and not engine.scheduler.has_unfinished():
                 raise RuntimeError("engine stalled: requests left but nothing to schedule")
-            recorder.step(outputs, start, end)
-            recorder.refresh()
+            recorder.step(outputs, start, end, engine.scheduler.stats())
             self._num_waiting = engine.scheduler.num_waiting
             if outputs:
                 self._post(self._deliver, outputs)
@@ -437,7 +436,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        recorder.refresh()
+        recorder.refresh(engine.scheduler.stats())
         # Publish the queue depth before the submitters learn their request was queued, so that
         # admission control never counts a request neither as pending nor as waiting.
         self._num_waiting = engine.scheduler.num_waiting
@@ -481,7 +480,7 @@ class AsyncEngine:
                 for rid in engine.requests.ids():
                     engine.abort_request(rid)
                     recorder.aborted(rid, now)
-                recorder.refresh()
+                recorder.refresh(engine.scheduler.stats())
             except Exception:  # a step died half-way; the state may be inconsistent
                 logger.exception("could not abort the remaining requests")
         stopped = self.state is EngineState.STOPPED

@@ -1,12 +1,13 @@
-"""Prometheus metrics of the server: every metric of design.md declared once, plus the recorder
-that feeds them from the engine thread.
+"""Prometheus metrics of the server, each declared once (the reference, docs/metrics.md, is
+generated from this registry), plus the recorder that feeds them from the engine thread.
 
 ``ServerMetrics`` owns one ``CollectorRegistry`` per app (never the global one), so tests and
 benchmarks can build several servers in one process. Every series carries ``model_name``.
 
 ``StatsRecorder`` is owned by the engine thread (see ``async_engine``): it is the only writer, and
-it reads the scheduler and the pool only from that thread, right after a step or after commands
-were applied, so the gauges describe a consistent state. prometheus-client's own locks make the
+it is handed a ``SchedulerStats`` snapshot taken on that thread right after a step or after
+commands were applied, so the gauges describe a consistent state, and it never holds the live
+scheduler. prometheus-client's own locks make the
 scrape from the event-loop thread safe. The recorder also writes the one log line per finished
 request and the (rate-limited) preemption warnings.
 """
@@ -26,8 +27,7 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from quire_engine.core.config import PreemptionMode
 from quire_engine.core.outputs import RequestOutput
-from quire_engine.core.scheduler import Scheduler
-from quire_engine.core.sequence import SequenceStatus
+from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,40 +44,6 @@ GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 
 # A warning per preemption would flood the log exactly when the server is overloaded.
 PREEMPTION_WARNING_INTERVAL_S = 10.0
-
-# The share of a request's remaining ``max_tokens`` that KV demand expects it to still generate.
-# All of it is the worst case and over-provisions when clients send a large default max_tokens;
-# none of it reacts only once prompts alone fill the pool. Half sits between the two: on a ramp,
-# demand crosses a 0.8 target while the pool still has room, before the first preemption.
-KV_DEMAND_OUTPUT_SHARE = 0.5
-
-
-def kv_demand_blocks(scheduler: Scheduler, output_share: float = KV_DEMAND_OUTPUT_SHARE) -> int:
-    """Device KV blocks this replica is committed to: the blocks in use now, plus for every
-    unfinished sequence (running, waiting or swapped) the blocks it still lacks to hold its known
-    tokens (prompt and output so far) and ``output_share`` of its remaining ``max_tokens``
-    (capped at ``max_model_len``).
-
-    A waiting or swapped sequence holds no device blocks, so it counts in full; a running one
-    counts only its growth. Prefix-cache hits of waiting prompts are not subtracted: the figure is
-    an upper bound, which is the safe side for scaling. Exported over the pool size as
-    ``quire_kv_cache_demand_ratio``; above 1.0 the replica must queue or preempt.
-    """
-    if not 0.0 <= output_share <= 1.0:
-        raise ValueError(f"output_share must be in [0, 1]; got {output_share}")
-    kv = scheduler.kv
-    max_len = scheduler.config.max_model_len
-    demand = kv.stats().used
-    bs, held = kv.block_size, kv.live_ids
-    for seq in scheduler.seqs.values():  # every step, every sequence: plain arithmetic only
-        projected = len(seq.token_ids)
-        remaining = min(seq.max_tokens - len(seq.output_token_ids), max_len - projected)
-        if remaining > 0:
-            projected += int(output_share * remaining)
-        lacking = -(-projected // bs) - len(held(seq.seq_id))
-        if lacking > 0:
-            demand += lacking
-    return demand
 
 
 class BatchHistogram:
@@ -158,7 +124,7 @@ class ServerMetrics:
             f"{KV_DEMAND_OUTPUT_SHARE:g} of their remaining max_tokens) / total blocks; > 1 means "
             "queueing or preemption ahead.",
         )
-        self.kv_blocks_total = gauge("quire_kv_blocks_total", "KV blocks in the device pool.")
+        self.kv_blocks_capacity = gauge("quire_kv_blocks_capacity", "KV blocks in the device pool.")
         self.kv_blocks_free = gauge(
             "quire_kv_blocks_free", "Unreferenced KV blocks (including cached prefixes)."
         )
@@ -225,19 +191,19 @@ class _Timeline:
 class StatsRecorder:
     """Turns engine steps into metric updates and log lines. Engine thread only."""
 
-    def __init__(self, metrics: ServerMetrics, scheduler: Scheduler) -> None:
+    def __init__(self, metrics: ServerMetrics, stats: SchedulerStats) -> None:
         self.metrics = metrics
-        self.scheduler = scheduler
+        self._stats = stats
         self._live: dict[str, _Timeline] = {}  # timestamps are time.monotonic() seconds
         self._queued: dict[str, _Timeline] = {}  # live and never scheduled yet
         # Counters in the scheduler and the pool are cumulative (and include the warmup request):
         # only their growth since the last look is added to the Prometheus counters.
-        self._seen_preemptions = dict(scheduler.num_preemptions)
-        self._seen_queries = scheduler.kv.prefix_queries
-        self._seen_hits = scheduler.kv.prefix_hits
+        self._seen_preemptions = dict(stats.num_preemptions)
+        self._seen_queries = stats.prefix_queries
+        self._seen_hits = stats.prefix_hits
         self._unreported: dict[PreemptionMode, int] = dict.fromkeys(PreemptionMode, 0)
         self._last_warning = float("-inf")
-        self.refresh()
+        self.refresh(stats)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live
@@ -253,8 +219,12 @@ class StatsRecorder:
             self.metrics.success("abort").inc()
             self._log_finished(request_id, line, "abort", now)
 
-    def step(self, outputs: list[RequestOutput], start: float, end: float) -> None:
-        """Account for one ``engine.step()`` that ran from ``start`` to ``end``."""
+    def step(
+        self, outputs: list[RequestOutput], start: float, end: float, stats: SchedulerStats
+    ) -> None:
+        """Account for one ``engine.step()`` that ran from ``start`` to ``end``, after which the
+        scheduler's state was ``stats``; also refreshes the gauges from it."""
+        self._stats = stats
         m = self.metrics
         progressed = {out.request_id for out in outputs}
         for rid in [r for r in self._queued if r in progressed or self._left_queue(r)]:
@@ -298,33 +268,32 @@ class StatsRecorder:
         if prompts:
             m.prompt_tokens.inc(prompts)
         self._count_cache_and_preemptions(end)
+        self.refresh(stats)
 
-    def refresh(self) -> None:
-        """Gauges from the current scheduler and pool state."""
-        m = self.metrics
-        sched = self.scheduler
-        stats = sched.kv.stats()
-        m.kv_usage.set(stats.usage)
-        m.kv_demand.set(kv_demand_blocks(sched) / stats.total)
-        m.kv_blocks_total.set(stats.total)
-        m.kv_blocks_free.set(stats.free)
-        m.running.set(sched.num_running)
-        m.waiting.set(sched.num_waiting)
-        m.swapped.set(sched.num_swapped)
+    def refresh(self, stats: SchedulerStats) -> None:
+        """Gauges from a snapshot of the scheduler and pool state."""
+        self._stats = stats
+        m, pool = self.metrics, stats.pool
+        m.kv_usage.set(pool.usage)
+        m.kv_demand.set(stats.kv_demand_blocks / pool.total)
+        m.kv_blocks_capacity.set(pool.total)
+        m.kv_blocks_free.set(pool.free)
+        m.running.set(stats.num_running)
+        m.waiting.set(stats.num_waiting)
+        m.swapped.set(stats.num_swapped)
 
     def _left_queue(self, request_id: str) -> bool:
         # The engine names a request's first sequence "<request_id>/0"; it leaves WAITING when the
-        # scheduler first gives it blocks (possibly for the first chunk of a chunked prefill).
-        seq = self.scheduler.seqs.get(f"{request_id}/0")
-        return seq is None or seq.status is not SequenceStatus.WAITING
+        # scheduler first gives it blocks (possibly for the first chunk of a chunked prefill), or
+        # when it ends without ever running.
+        return f"{request_id}/0" not in self._stats.waiting_ids
 
     def _count_cache_and_preemptions(self, now: float) -> None:
-        m = self.metrics
-        kv = self.scheduler.kv
-        m.prefix_queries.inc(kv.prefix_queries - self._seen_queries)
-        m.prefix_hits.inc(kv.prefix_hits - self._seen_hits)
-        self._seen_queries, self._seen_hits = kv.prefix_queries, kv.prefix_hits
-        for mode, total in self.scheduler.num_preemptions.items():
+        m, stats = self.metrics, self._stats
+        m.prefix_queries.inc(stats.prefix_queries - self._seen_queries)
+        m.prefix_hits.inc(stats.prefix_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = stats.prefix_queries, stats.prefix_hits
+        for mode, total in stats.num_preemptions.items():
             fresh = total - self._seen_preemptions[mode]
             if fresh:
                 m.preemptions[mode].inc(fresh)
@@ -335,20 +304,17 @@ class StatsRecorder:
         ):
             self._last_warning = now
             counts = ", ".join(f"{mode.value}={n}" for mode, n in self._unreported.items())
-            totals = ", ".join(
-                f"{mode.value}={n}" for mode, n in self.scheduler.num_preemptions.items()
-            )
-            stats = kv.stats()
+            totals = ", ".join(f"{mode.value}={n}" for mode, n in stats.num_preemptions.items())
             logger.warning(
                 "KV cache full: preempted %s since the last warning (total %s); running=%d "
                 "waiting=%d swapped=%d kv_usage=%.2f. Sustained preemption means overload: "
                 "add replicas or KV memory, or lower --max-num-seqs",
                 counts,
                 totals,
-                self.scheduler.num_running,
-                self.scheduler.num_waiting,
-                self.scheduler.num_swapped,
-                stats.usage,
+                stats.num_running,
+                stats.num_waiting,
+                stats.num_swapped,
+                stats.pool.usage,
             )
             self._unreported = dict.fromkeys(PreemptionMode, 0)
 
