@@ -61,8 +61,9 @@ def test_prefix_hit_reuses_longest_chain_and_recomputes_last_token() -> None:
     b = seq("b", list(range(12)))
     hits = kv.computed_blocks(b)
     assert [blk.block_id for blk in hits] == [0, 1]
-    assert ids(kv.allocate_slots(b, 12 - 8, hits)) == [0, 1, 3]
-    assert b.num_computed_tokens == 8
+    cached = kv.allocate_with_prefix(b, 12 - 8, hits)
+    assert kv.block_ids("b") == [0, 1, 3]
+    assert cached == 8
     assert kv.ref_counts("a") == [2, 2, 1]
     # A prompt diverging inside block 1 hits only block 0.
     c = seq("c", [0, 1, 2, 3, 4, 5, 99, 7, 8])
@@ -81,7 +82,8 @@ def test_freed_cached_blocks_are_revived_after_finish() -> None:
     b = seq("b", list(range(9)))
     hits = kv.computed_blocks(b)
     assert [blk.block_id for blk in hits] == [0, 1]
-    assert ids(kv.allocate_slots(b, 1, hits)) == [0, 1, 3]
+    assert kv.allocate_with_prefix(b, 1, hits) == 8
+    assert kv.block_ids("b") == [0, 1, 3]
     assert kv.stats().cached_free == 0
     kv.free("b")
 

@@ -72,7 +72,9 @@ def test_released_block_stays_cached_for_a_prefix_hit() -> None:
     b = Sequence("b", list(range(12)), max_tokens=4)
     hits = kv.computed_blocks(b)  # the released block 0 still holds its hash
     assert [h.block_id for h in hits] == [0, 1]
-    assert ids(kv.allocate_slots(b, 4, hits)) == [0, 1, 3]
+    b.num_computed_tokens = kv.allocate_with_prefix(b, 4, hits)  # as the scheduler does
+    assert b.num_computed_tokens == 8
+    assert kv.block_ids("b") == [0, 1, 3]
     assert kv.ref_counts("b") == [1, 2, 1]
     b.num_computed_tokens += 4
     kv.release_out_of_window(b)
@@ -170,8 +172,9 @@ def test_prefix_hits_before_the_window_are_not_taken() -> None:
     hits = kv.computed_blocks(b)
     assert [h.block_id for h in hits] == [0, 1, 2, 3]  # 19 tokens may hit: 4 full blocks
     # b continues at position 16, which sees 11..16: blocks 0 and 1 (0..7) are never read.
-    assert ids(kv.allocate_slots(b, 4, hits)) == [RELEASED.block_id] * 2 + [2, 3, 5]
-    assert b.num_computed_tokens == 16 and kv.num_held("b") == 3
+    cached = kv.allocate_with_prefix(b, 4, hits)
+    assert kv.block_ids("b") == [RELEASED.block_id] * 2 + [2, 3, 5]
+    assert cached == 16 and kv.num_held("b") == 3
     assert kv.ref_counts("a") == [1, 1, 2, 2, 1]
     kv.free("a")
     kv.free("b")

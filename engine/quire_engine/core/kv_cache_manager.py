@@ -236,15 +236,31 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed: list[Block] | None = None
-    ) -> array[int] | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> array[int] | None:
         """Make room for ``num_new_tokens`` tokens after ``seq.num_computed_tokens``.
 
-        ``computed`` are prefix-cache hits for a sequence that holds no blocks yet; they are taken
-        (ref + 1) and ``seq.num_computed_tokens`` advances past them. Returns the sequence's live
-        block-id array, or None, changing nothing, when the pool cannot supply the blocks.
+        Returns the sequence's live block-id array, or None, changing nothing, when the pool
+        cannot supply the blocks.
         """
+        return self._allocate(seq, num_new_tokens, None)
+
+    def allocate_with_prefix(
+        self, seq: Sequence, num_new_tokens: int, computed: list[Block]
+    ) -> int | None:
+        """Take ``computed`` (prefix-cache hits of a sequence that holds no blocks yet; ref + 1)
+        and make room for ``num_new_tokens`` tokens after them.
+
+        Returns the number of tokens the hits cover, which becomes the sequence's
+        ``num_computed_tokens`` (the scheduler owns that field and writes it), or None, changing
+        nothing, when the pool cannot supply the blocks.
+        """
+        if self._allocate(seq, num_new_tokens, computed) is None:
+            return None
+        return len(computed) * self.block_size
+
+    def _allocate(
+        self, seq: Sequence, num_new_tokens: int, computed: list[Block] | None
+    ) -> array[int] | None:
         table = self._tables.get(seq.seq_id)
         start = seq.num_computed_tokens
         end = start + num_new_tokens
@@ -308,7 +324,6 @@ class KVCacheManager:
                 else:
                     self.pool.touch(block)
                     table.append(block)
-            seq.num_computed_tokens = start
             table.set_cached(len(computed))
         if cow:
             i = start // bs

@@ -279,8 +279,10 @@ class Scheduler:
             hits = kv.computed_blocks(seq)
             num_hit = len(hits) * kv.block_size
             n = min(seq.num_tokens - num_hit, budget)
-            if kv.allocate_slots(seq, n, hits) is None:
+            cached = kv.allocate_with_prefix(seq, n, hits)
+            if cached is None:
                 break
+            seq.num_computed_tokens = cached
             kv.note_prefix_query(seq.num_tokens, num_hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
