@@ -6,56 +6,38 @@ waits (the scheduler skips a sequence with nothing to compute) until every sibli
 ``advance`` ranks all (beam, token) extensions by cumulative log-probability and keeps the best
 ``width``. A candidate ending in EOS (unless ``ignore_eos``) within the top ``width`` ranks is
 retired as a finished hypothesis. Final beams are sorted by cumulative log-probability.
+
+Pure Python: the engine hands each beam's best ``candidates_per_beam(width)`` tokens in as plain
+lists (``TopTokens``, from a top-k over its log-softmax row), which is all the ranking can use.
+The search state itself is ``core.beam_state.BeamState``, held by the request.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
+from quire_engine.core.beam_state import BeamState, TopTokens
 from quire_engine.core.outputs import CompletionOutput
+from quire_engine.core.request_table import Request, RequestTable
 
-if TYPE_CHECKING:
-    from quire_engine.core.request_table import Request, RequestTable
-
-
-@dataclass(slots=True)
-class BeamState:
-    width: int
-    ignore_eos: bool
-    active: list[str] = field(default_factory=list)  # sequence ids of live beams
-    cumulative: dict[str, float] = field(default_factory=dict)
-    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # seq id -> [vocab] logprobs
-    finished: list[tuple[list[int], float, str]] = field(default_factory=list)
-    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-
-    def __post_init__(self) -> None:
-        if self.width < 1:
-            raise ValueError(f"beam_width must be >= 1; got {self.width}")
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.active) and all(sid in self.pending for sid in self.active)
-
-    @property
-    def done(self) -> bool:
-        return not self.active
+__all__ = ["BeamState", "TopTokens", "advance", "candidates_per_beam", "outputs", "rank"]
 
 
-def rank(beams: Seq[tuple[str, float, torch.Tensor]], width: int) -> list[tuple[float, str, int]]:
+def candidates_per_beam(width: int) -> int:
+    """Tokens per beam that can matter: at most ``width`` are kept, and at most ``width`` EOS
+    candidates are retired."""
+    return 2 * width
+
+
+def rank(beams: Seq[tuple[str, float, TopTokens]], width: int) -> list[tuple[float, str, int]]:
     """All (cumulative + logprob, beam, token) extensions, best first; ties keep beam order then
-    token id order, so the result is deterministic. Only each beam's top ``2 * width`` tokens can
-    matter (at most ``width`` are kept, and at most ``width`` EOS candidates are retired)."""
+    token id order, so the result is deterministic. Each beam brings its top
+    ``candidates_per_beam(width)`` tokens."""
     cands = []
-    for order, (sid, cum, logprobs) in enumerate(beams):
-        k = min(2 * width, logprobs.shape[0])
-        values, ids = logprobs.topk(k)
-        for v, t in zip(values.tolist(), ids.tolist(), strict=True):
+    for order, (sid, cum, top) in enumerate(beams):
+        for v, t in zip(top.logprobs, top.token_ids, strict=True):
             cands.append((cum + v, order, t, sid))
     cands.sort(key=lambda c: (-c[0], c[1], c[2]))
     return [(score, sid, tok) for score, _, tok, sid in cands]

@@ -19,8 +19,10 @@ from __future__ import annotations
 import random
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # the tokenizer is only called, never constructed, here
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens of context decoded before the new ones so that spacing/merges come out right.
 _CONTEXT_TOKENS = 5

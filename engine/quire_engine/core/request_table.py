@@ -18,17 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
+from quire_engine.core.beam_state import BeamState
 from quire_engine.core.detokenizer import Detokenizer
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import Sequence
 
-if TYPE_CHECKING:
-    from quire_engine.core.beam_search import BeamState
+# A sample's RNG: a torch.Generator that the model side creates and the sampler consumes; the
+# core only carries it.
+Rng = Any
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class Sample:
     ``Prefix`` views of them; the text so far is ``detok.text``."""
 
     seq: Sequence
-    generator: torch.Generator | None
+    generator: Rng | None
     detok: Detokenizer
     index: int
     tokens: list[int] = field(default_factory=list)
@@ -130,7 +130,7 @@ class RequestTable:
         self._register(request, first)
 
     def new_sample(
-        self, request: Request, seq: Sequence, index: int, generator: torch.Generator | None
+        self, request: Request, seq: Sequence, index: int, generator: Rng | None
     ) -> Sample:
         """A sample object for ``seq`` (not registered); its output starts empty."""
         want_lp = request.params.logprobs is not None
@@ -150,7 +150,7 @@ class RequestTable:
         parent: Sample,
         seq_id: str,
         index: int,
-        generator: torch.Generator | None,
+        generator: Rng | None,
         last_token: int | None = None,
     ) -> Sample:
         """A new sample sharing ``parent``'s history (and, if it runs, its blocks). With

@@ -33,6 +33,7 @@ from typing import TypeVar
 import torch
 
 from quire_engine.core import beam_search
+from quire_engine.core.beam_state import TopTokens
 from quire_engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from quire_engine.core.detokenizer import find_stop
 from quire_engine.core.kv_cache_manager import max_blocks_held
@@ -440,7 +441,10 @@ class LLMEngine:
     def _beam_logits(self, req: Request, seq: Sequence, logits: torch.Tensor) -> None:
         state = req.beam
         assert state is not None
-        state.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1).cpu()
+        logprobs = torch.log_softmax(logits, dim=-1).cpu()  # [vocab]
+        k = min(beam_search.candidates_per_beam(state.width), logprobs.shape[0])
+        values, ids = logprobs.topk(k)
+        state.pending[seq.seq_id] = TopTokens(values.tolist(), ids.tolist())
         if not state.ready:
             return
         beam_search.advance(self.requests, req, state, self.eos_token_ids)
