@@ -60,6 +60,12 @@ _Sampled = tuple[int, float | None, dict[int, float] | None]  # token, its logpr
 _Row = tuple[Request, Sample, int, int, torch.Generator | None]
 
 
+def check_placement(device: str, dtype: str) -> None:
+    """Raise ``ValueError`` for a ``--device`` / ``--dtype`` pair this machine cannot serve; what
+    the engine checks first, before loading anything (the server checks it before listening)."""
+    model_loader.resolve_dtype(dtype, model_loader.resolve_device(device))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

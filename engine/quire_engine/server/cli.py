@@ -252,14 +252,13 @@ def configure_logging(log_format: str, level: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from quire_engine.engine.llm_engine import LLMEngine
+    from quire_engine.engine.llm_engine import LLMEngine, check_placement
     from quire_engine.engine.metrics import GcPauses
-    from quire_engine.model import loader as model_loader
     from quire_engine.server.app import create_app
 
     settings = settings_from_args(args)
     # Fail before listening on what can be checked without loading anything.
-    model_loader.resolve_dtype(args.dtype, model_loader.resolve_device(args.device))
+    check_placement(args.device, args.dtype)
     configure_logging(args.log_format, args.log_level)
     died: list[bool] = []
     server: _DrainingServer | None = None
