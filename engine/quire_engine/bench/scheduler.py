@@ -17,7 +17,7 @@ from typing import Any
 from quire_engine.bench.workload import random_tokens
 from quire_engine.core.config import CacheConfig, SchedulerConfig
 from quire_engine.core.scheduler import Scheduler
-from quire_engine.core.sequence import Sequence
+from quire_engine.core.sequence import FinishReason, Sequence
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timings.append((clock() - t0) / 1000)
         sched.update(out, {s.seq_id: rng.randrange(32000) for s in out.seqs})
     for seq in list(sched.seqs.values()):
-        sched.finish(seq, "abort")
+        sched.finish(seq, FinishReason.ABORT)
     timings.sort()
     return {
         "running": args.running,

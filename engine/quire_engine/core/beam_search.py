@@ -21,6 +21,7 @@ from typing import Any
 from quire_engine.core.beam_state import BeamState, TopTokens
 from quire_engine.core.outputs import CompletionOutput
 from quire_engine.core.request_table import Request, RequestTable
+from quire_engine.core.sequence import FinishReason
 
 __all__ = ["BeamState", "TopTokens", "advance", "candidates_per_beam", "outputs", "rank"]
 
@@ -55,7 +56,7 @@ def advance(table: RequestTable, req: Request, state: BeamState, eos: Collection
         if tok in eos and not state.ignore_eos:
             if position < state.width:
                 seq = table.owner(sid)[1].seq
-                state.finished.append(([*seq.output_token_ids, tok], score, "stop"))
+                state.finished.append(([*seq.output_token_ids, tok], score, FinishReason.STOP))
             continue
         chosen.append((score, sid, tok))
     state.pending.clear()
@@ -78,7 +79,7 @@ def advance(table: RequestTable, req: Request, state: BeamState, eos: Collection
     state.cumulative = {}
     for seq, tok, score in plan:
         if sched.append(seq, tok):  # reached max_tokens / max_model_len
-            state.finished.append((list(seq.output_token_ids), score, "length"))
+            state.finished.append((list(seq.output_token_ids), score, FinishReason.LENGTH))
             table.retire(req, table.owner(seq.seq_id)[1])
         else:
             state.active.append(seq.seq_id)

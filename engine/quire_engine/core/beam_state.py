@@ -8,6 +8,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from quire_engine.core.sequence import FinishReason
+
 
 class TopTokens(NamedTuple):
     """A beam's best next tokens, best first: log-probabilities and their token ids."""
@@ -23,7 +25,7 @@ class BeamState:
     active: list[str] = field(default_factory=list)  # sequence ids of live beams
     cumulative: dict[str, float] = field(default_factory=dict)
     pending: dict[str, TopTokens] = field(default_factory=dict)  # seq id -> its best tokens
-    finished: list[tuple[list[int], float, str]] = field(default_factory=list)
+    finished: list[tuple[list[int], float, FinishReason]] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Generic, TypeVar, overload
 
+from quire_engine.core.sequence import FinishReason
+
 _T = TypeVar("_T")
 
 
@@ -71,7 +73,7 @@ class CompletionOutput:
     token_ids: Sequence[int] = field(default_factory=list)  # a list, or a Prefix in reports
     cumulative_logprob: float | None = None
     logprobs: Sequence[dict[int, float]] | None = None  # likewise
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
 
     @property

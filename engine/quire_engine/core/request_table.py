@@ -24,7 +24,7 @@ from quire_engine.core.beam_state import BeamState
 from quire_engine.core.detokenizer import Detokenizer
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.scheduler import Scheduler
-from quire_engine.core.sequence import Sequence
+from quire_engine.core.sequence import FinishReason, Sequence
 
 # A sample's RNG: a torch.Generator that the model side creates and the sampler consumes; the
 # core only carries it.
@@ -46,7 +46,7 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
     @property
@@ -171,7 +171,7 @@ class RequestTable:
     def retire(self, request: Request, sample: Sample) -> None:
         """End one sample of a live request (a pruned beam): blocks back, sample dropped."""
         self._owner.pop(sample.seq.seq_id, None)
-        self.scheduler.finish(sample.seq, "abort")
+        self.scheduler.finish(sample.seq, FinishReason.ABORT)
         request.samples.remove(sample)
 
     def abort(self, request_id: str) -> Request | None:
@@ -203,6 +203,6 @@ class RequestTable:
 
     def _end(self, request: Request) -> None:
         for s in request.samples:
-            self.scheduler.finish(s.seq, "abort")  # idempotent; returns the blocks
+            self.scheduler.finish(s.seq, FinishReason.ABORT)  # idempotent; returns the blocks
             if s.finish_reason is None:
-                s.finish_reason = "abort"
+                s.finish_reason = FinishReason.ABORT

@@ -32,7 +32,7 @@ from typing import NamedTuple
 from quire_engine.core.block_pool import PoolStats
 from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
 from quire_engine.core.kv_cache_manager import KVCacheManager
-from quire_engine.core.sequence import Sequence, SequenceStatus
+from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -155,7 +155,7 @@ class Scheduler:
             child.num_computed_tokens = 0
             self.waiting.appendleft(child)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence in any state and release all it holds. Idempotent."""
         if self.seqs.pop(seq.seq_id, None) is None:
             return
@@ -173,7 +173,7 @@ class Scheduler:
         """Client gone: finish with reason "abort". Unknown or finished ids are ignored."""
         seq = self.seqs.get(seq_id)
         if seq is not None:
-            self.finish(seq, "abort")
+            self.finish(seq, FinishReason.ABORT)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -322,7 +322,7 @@ class Scheduler:
             if token is not None:
                 seq.append_token(token)
                 if len(seq.token_ids) >= seq.token_limit:
-                    self.finish(seq, "length")
+                    self.finish(seq, FinishReason.LENGTH)
                     finished.append(seq)
         return finished
 
@@ -331,7 +331,7 @@ class Scheduler:
         (reason "length", returns True) at ``max_tokens`` or ``max_model_len``."""
         seq.append_token(token)
         if len(seq.token_ids) >= seq.token_limit:
-            self.finish(seq, "length")
+            self.finish(seq, FinishReason.LENGTH)
             return True
         return False
 

@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 _arrival_counter = itertools.count()
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sample ended; the values are the OpenAI wire strings (``finish_reason``)."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client went away, the server shut down, or the request failed
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not (or no longer) holding blocks; prefill pending
     RUNNING = "running"  # holds blocks in the device pool
@@ -42,7 +50,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Tie-breaker for "newest": forks inherit their parent's arrival and get a later sub-order.
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # Slots of max_num_seqs this sequence claims: itself plus the samples still to be forked from
     # it (n > 1, beams). Each fork moves one slot to the child (``Scheduler.fork``).
     reserved_seqs: int = 1

@@ -26,9 +26,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
-from itertools import compress, repeat
+from itertools import compress
 from operator import attrgetter
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -41,7 +41,7 @@ from quire_engine.core.outputs import CompletionOutput, Prefix, RequestOutput
 from quire_engine.core.request_table import Request, RequestTable, Sample
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.scheduler import Scheduler, SchedulerOutput
-from quire_engine.core.sequence import Sequence, SequenceStatus
+from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from quire_engine.model import loader as model_loader
 from quire_engine.model.runner import CacheShape, ModelRunner, profile_peak_memory, size_pool
 from quire_engine.model.sampler import SampleResult, SampleRow, greedy_tokens, sample
@@ -52,12 +52,27 @@ _T = TypeVar("_T")
 _index = attrgetter("index")
 # Read once per sequence per step: a module constant, as an enum member lookup costs ~80 ns.
 _FINISHED = SequenceStatus.FINISHED
-_Sampled = tuple[int, float | None, dict[int, float] | None]  # token, its logprob, top logprobs
 
 
-# One planned sampling row: (request, the sample it continues, its sample index j, logits row,
-# the generator it draws from).
-_Row = tuple[Request, Sample, int, int, torch.Generator | None]
+class Sampled(NamedTuple):
+    """What sampling chose for one planned row."""
+
+    token: int
+    logprob: float | None  # the token's, when the request asked for logprobs
+    top: dict[int, float] | None  # the top logprobs by token id, when asked for
+
+
+_NOTHING = Sampled(0, None, None)  # the row of a failed request: never emitted
+
+
+class PlanRow(NamedTuple):
+    """One planned sampling row of a step."""
+
+    request: Request
+    sample: Sample  # the sample it continues (the parent, for a sample forked this step)
+    sample_index: int  # j within the request (j > 0: forked this step, n > 1)
+    logits_row: int  # its row of the step's logits
+    generator: torch.Generator | None  # the RNG it draws from
 
 
 def check_placement(device: str, dtype: str) -> None:
@@ -223,7 +238,7 @@ class LLMEngine:
 
         owner = self.requests.owner
         touched: dict[str, Request] = {}
-        plan: list[_Row] = []
+        plan: list[PlanRow] = []
         beam_rows: list[tuple[Request, Sequence, int]] = []
         fanned = False  # some request forks samples this step (n > 1, first token)
         argmax_only = True  # every row argmax-only: the sampler's single argmax serves them
@@ -243,15 +258,15 @@ class LLMEngine:
                         if j == 0
                         else self._isolated(req, self._fork_generator, req, j)
                     )
-                    plan.append((req, smp, j, i, gen))
+                    plan.append(PlanRow(req, smp, j, i, gen))
             else:
-                plan.append((req, smp, 0, i, smp.generator))
+                plan.append(PlanRow(req, smp, 0, i, smp.generator))
                 argmax_only = argmax_only and req.params.argmax_only
             i += 1
         straight = not fanned and not beam_rows
         if argmax_only and straight:
             ids = self._argmax(logits, len(plan))
-            tokens: list[_Sampled] = list(zip(ids, repeat(None), repeat(None)))
+            tokens: list[Sampled] = [Sampled(t, None, None) for t in ids]
         else:
             tokens = self._sample(logits, plan)
         primary = {
@@ -308,19 +323,19 @@ class LLMEngine:
             reports.append(report(req, smp))
         return reports
 
-    def _emit_fanned(self, plan: list[_Row], tokens: list[_Sampled]) -> None:
+    def _emit_fanned(self, plan: list[PlanRow], tokens: list[Sampled]) -> None:
         """Per request: fork every new sample before any stop check can finish (and free) its
         parent, then emit the tokens. A request with one row skips the grouping."""
         by_request: dict[str, list[int]] = {}
         for k, (req, smp, j, _, _) in enumerate(plan):
-            if j == 0 and (k + 1 == len(plan) or plan[k + 1][2] == 0):
+            if j == 0 and (k + 1 == len(plan) or plan[k + 1].sample_index == 0):
                 if req.error is None:
                     tok, lp, top = tokens[k]
                     self._isolated(req, self._emit_token, req, smp, tok, lp, top)
             else:
                 by_request.setdefault(req.request_id, []).append(k)
         for ks in by_request.values():
-            req = plan[ks[0]][0]
+            req = plan[ks[0]].request
             if req.error is None:
                 self._isolated(req, self._apply_rows, req, [(plan[k], tokens[k]) for k in ks])
 
@@ -346,7 +361,7 @@ class LLMEngine:
         ids: list[int] = greedy_tokens(logits).tolist()
         return ids
 
-    def _sample(self, logits: torch.Tensor, plan: list[_Row]) -> list[_Sampled]:
+    def _sample(self, logits: torch.Tensor, plan: list[PlanRow]) -> list[Sampled]:
         """(token, its logprob, top logprobs) per planned row, sampled as one batch. If the batch
         raises, each request's rows are sampled alone and only the requests that still raise
         fail (their rows get token 0, never used). A request whose generator advanced in the
@@ -355,23 +370,25 @@ class LLMEngine:
             SampleRow(req.params, gen, smp.seq.output_token_ids) for req, smp, _, _, gen in plan
         ]
         live = [k for k, (req, _, _, _, _) in enumerate(plan) if req.error is None]
-        results: list[_Sampled] = [(0, None, None)] * len(plan)
+        results: list[Sampled] = [_NOTHING] * len(plan)
         if not live:
             return results
         try:
             _scatter(
-                results, live, sample(logits[[plan[k][3] for k in live]], [rows[k] for k in live])
+                results,
+                live,
+                sample(logits[[plan[k].logits_row for k in live]], [rows[k] for k in live]),
             )
             return results
         except Exception:
             logger.warning("batched sampling raised; sampling each request alone", exc_info=True)
         groups: dict[str, list[int]] = {}
         for k in live:
-            groups.setdefault(plan[k][0].request_id, []).append(k)
+            groups.setdefault(plan[k].request.request_id, []).append(k)
         for ks in groups.values():
-            req = plan[ks[0]][0]
+            req = plan[ks[0]].request
             rows_k = [rows[k] for k in ks]
-            idx = [plan[k][3] for k in ks]
+            idx = [plan[k].logits_row for k in ks]
             result = self._isolated(req, sample, logits[idx], rows_k)
             if result is not None:
                 _scatter(results, ks, result)
@@ -380,7 +397,7 @@ class LLMEngine:
     def _apply_rows(
         self,
         req: Request,
-        rows: list[tuple[_Row, _Sampled]],
+        rows: list[tuple[PlanRow, Sampled]],
     ) -> None:
         streams = [
             smp
@@ -440,8 +457,8 @@ class LLMEngine:
             idx, stop_reason = hit
             end = idx + len(stop_reason) if params.include_stop_str_in_output else idx
             detok.text = detok.text[:end]
-        self.scheduler.finish(smp.seq, "stop")
-        smp.finish_reason, smp.stop_reason = "stop", stop_reason
+        self.scheduler.finish(smp.seq, FinishReason.STOP)
+        smp.finish_reason, smp.stop_reason = FinishReason.STOP, stop_reason
         return True
 
     def _beam_logits(self, req: Request, seq: Sequence, logits: torch.Tensor) -> None:
@@ -489,14 +506,14 @@ def _not_token(t: object, vocab_size: int) -> bool:
 
 
 def _scatter(
-    results: list[_Sampled],
+    results: list[Sampled],
     where: list[int],
     result: SampleResult,
 ) -> None:
     for n, k in enumerate(where):
         lp = result.logprobs[n] if result.logprobs is not None else None
         top = result.top_logprobs[n] if result.top_logprobs is not None else None
-        results[k] = (result.token_ids[n], lp, top)
+        results[k] = Sampled(result.token_ids[n], lp, top)
 
 
 def _report(smp: Sample, finished: bool) -> CompletionOutput:

@@ -28,6 +28,7 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from quire_engine.core.config import PreemptionMode
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, SchedulerStats
+from quire_engine.core.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +171,10 @@ class ServerMetrics:
         self.queue_time = histogram(
             "quire_request_queue_time_seconds", "Arrival to first scheduled.", QUEUE_BUCKETS
         )
-        for reason in ("stop", "length", "abort"):  # export zeros before the first request
+        for reason in FinishReason:  # export zeros before the first request
             self._success.labels(model_name, reason)
 
-    def success(self, reason: str) -> Counter:
+    def success(self, reason: FinishReason) -> Counter:
         return self._success.labels(self.model_name, reason)
 
 
@@ -216,8 +217,8 @@ class StatsRecorder:
         self._queued.pop(request_id, None)
         line = self._live.pop(request_id, None)
         if line is not None:
-            self.metrics.success("abort").inc()
-            self._log_finished(request_id, line, "abort", now)
+            self.metrics.success(FinishReason.ABORT).inc()
+            self._log_finished(request_id, line, FinishReason.ABORT, now)
 
     def step(
         self, outputs: list[RequestOutput], start: float, end: float, stats: SchedulerStats
@@ -257,7 +258,9 @@ class StatsRecorder:
             generated += new_tokens
             if out.finished:
                 del self._live[out.request_id]
-                reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+                reason = (
+                    out.outputs[0].finish_reason if out.outputs else None
+                ) or FinishReason.ABORT
                 m.e2e.observe(end - line.arrival)
                 m.success(reason).inc()
                 self._log_finished(out.request_id, line, reason, end)
@@ -319,7 +322,7 @@ class StatsRecorder:
             self._unreported = dict.fromkeys(PreemptionMode, 0)
 
     @staticmethod
-    def _log_finished(request_id: str, line: _Timeline, reason: str, now: float) -> None:
+    def _log_finished(request_id: str, line: _Timeline, reason: FinishReason, now: float) -> None:
         ttft = "-" if line.first_token is None else f"{line.first_token - line.arrival:.3f}s"
         logger.info(
             "request %s finished: reason=%s prompt_tokens=%d generation_tokens=%d ttft=%s "
