@@ -10,9 +10,9 @@ the grid, and a torch reference with identical semantics:
 
 Device policy: on CUDA the engine runs the Triton kernels; on CPU it runs the torch references,
 which are batched to be fast (they are the CPU execution path, not only a test oracle), except
-decode attention over fp32 pools, which goes through :mod:`.native` (a C kernel compiled on
-first use that reads blocks in place) when a C compiler can build it. Triton is optional:
-without it this package still imports and :func:`triton_usable` returns ``False``.
+decode attention over fp32 pools, which goes through :mod:`quire_engine.cpu.native` (a C kernel
+compiled on first use that reads blocks in place) when a C compiler can build it. Triton is
+optional: without it this package still imports and :func:`triton_usable` returns ``False``.
 
 Tests run the Triton kernels on CPU through Triton's interpreter (``TRITON_INTERPRET=1``). In
 triton 3.x the variable must be set before triton is imported: ``triton.jit`` picks compiled or
