@@ -69,27 +69,20 @@ const char *const quire_layer_field_names[QUIRE_LAYER_FIELDS] = {
 };
 const int64_t quire_layer_field_count = QUIRE_LAYER_FIELDS;
 
-/* struct quire_decoder_args' fields, in declaration order, with their offsets. */
-#define ARG(name) #name
-const char *const quire_decoder_arg_names[] = {
-    ARG(layers),     ARG(layer_fields), ARG(num_layers), ARG(windows),   ARG(scales),
-    ARG(embed),      ARG(final_norm),   ARG(lm_head),    ARG(lm_bias),   ARG(vocab),
-    ARG(hidden),     ARG(heads),        ARG(kv_heads),   ARG(head_dim),  ARG(inter),
-    ARG(eps),        ARG(block_size),   ARG(n),          ARG(ids),       ARG(cos),
-    ARG(sin),        ARG(rope_rows),    ARG(slots),      ARG(tables),    ARG(table_stride),
-    ARG(lens),       ARG(logits),       ARG(num_threads),
-};
-#undef ARG
-#define AT(name) (int64_t) offsetof(struct quire_decoder_args, name)
-const int64_t quire_decoder_arg_offsets[] = {
-    AT(layers),     AT(layer_fields), AT(num_layers), AT(windows),   AT(scales),
-    AT(embed),      AT(final_norm),   AT(lm_head),    AT(lm_bias),   AT(vocab),
-    AT(hidden),     AT(heads),        AT(kv_heads),   AT(head_dim),  AT(inter),
-    AT(eps),        AT(block_size),   AT(n),          AT(ids),       AT(cos),
-    AT(sin),        AT(rope_rows),    AT(slots),      AT(tables),    AT(table_stride),
-    AT(lens),       AT(logits),       AT(num_threads),
-};
-#undef AT
+/* struct quire_decoder_args' fields, in declaration order, listed once: their names and
+ * offsets are generated from this list. */
+#define DECODER_ARGS(X)                                                                        \
+    X(layers) X(layer_fields) X(num_layers) X(windows) X(scales) X(embed) X(final_norm)        \
+    X(lm_head) X(lm_bias) X(vocab) X(hidden) X(heads) X(kv_heads) X(head_dim) X(inter) X(eps)  \
+    X(block_size) X(n) X(ids) X(cos) X(sin) X(rope_rows) X(slots) X(tables) X(table_stride)    \
+    X(lens) X(logits) X(num_threads)
+#define ARG_NAME(name) #name,
+#define ARG_OFFSET(name) (int64_t) offsetof(struct quire_decoder_args, name),
+const char *const quire_decoder_arg_names[] = {DECODER_ARGS(ARG_NAME)};
+const int64_t quire_decoder_arg_offsets[] = {DECODER_ARGS(ARG_OFFSET)};
+#undef ARG_OFFSET
+#undef ARG_NAME
+#undef DECODER_ARGS
 #define COUNT(a) ((int64_t)(sizeof(a) / sizeof((a)[0])))
 const int64_t quire_decoder_arg_count = COUNT(quire_decoder_arg_names);
 const int64_t quire_decoder_args_size = (int64_t)sizeof(struct quire_decoder_args);
