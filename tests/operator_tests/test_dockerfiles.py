@@ -241,14 +241,14 @@ def test_engine_env_names_real_serve_flags() -> None:
     quire_vars = dict(re.findall(r"(QUIRE_\w+)=(\S+)", env))
     kernel_vars = {"QUIRE_KERNEL_CACHE": "/tmp/quire-kernels"}
     assert quire_vars == {"QUIRE_HOST": "0.0.0.0", "QUIRE_PORT": "8000", **kernel_vars}
-    native_source = (ROOT / "engine" / "quire_engine" / "kernels" / "native.py").read_text()
+    native_source = (ROOT / "engine" / "quire_engine" / "cpu" / "native.py").read_text()
     declared = re.search(r"ENV_VARS = \(([^)]*)\)", native_source)
     assert declared is not None
     assert set(kernel_vars) <= set(re.findall(r'"(QUIRE_\w+)"', declared.group(1)))
     assert all(f'os.environ.get("{name}")' in native_source for name in kernel_vars)  # read
     quire_vars = {k: v for k, v in quire_vars.items() if k not in kernel_vars}
     # Read from the source: importing quire_engine.server.cli would import torch (seconds).
-    serve_source = (ROOT / "engine" / "quire_engine" / "serve.py").read_text()
+    serve_source = (ROOT / "engine" / "quire_engine" / "server" / "cli.py").read_text()
     assert 'ENV_PREFIX = "QUIRE_"' in serve_source
     flags = re.findall(r'flag\(\s*"(--[a-z-]+)"', serve_source)
     # serve.env_name: --max-num-seqs -> QUIRE_MAX_NUM_SEQS
