@@ -8,8 +8,8 @@ checkout (or ``--head``). The benchmark command runs ``--runs`` times for each, 
 and head, each as ``python -m quire_engine.cli ...`` with ``PYTHONPATH`` pointing at that
 version's ``engine/``. Every numeric leaf of the benchmarks' JSON (or those whose key contains
 ``--key``) is reported with each version's runs, their best (minimum for times, maximum for
-rates: keys ending in ``_s`` or containing ``tok_s``/``throughput``/``ratio`` are rates) and their
-median, and ``head_vs_base`` = head best / base best.
+rates: keys containing ``tok_s`` or the word ``per``, ``throughput`` or ``ratio``; times
+such as ``median_s`` are not) and their median, and ``head_vs_base`` = head best / base best.
 
 Why best-of-N: on a shared machine, other tenants only ever add time, and they do so for
 seconds at a time, so a single pair of runs can disagree by 2-3x in either direction;
@@ -42,9 +42,14 @@ def leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
         yield prefix, float(value)
 
 
+RATE_WORDS = frozenset({"per", "throughput", "ratio"})  # whole words of a rate's key
+
+
 def higher_is_better(key: str) -> bool:
+    """Rates (``quire_tok_s``, ``output_tokens_per_cpu_s``, ``ratio_vs_offline``) are better
+    higher; times (``median_s``, ``duration_s``, ``step_us_p50``), sizes and counts lower."""
     last = key.rsplit(".", 1)[-1]
-    return last.endswith("_s") or any(w in last for w in ("tok_s", "throughput", "ratio"))
+    return "tok_s" in last or not RATE_WORDS.isdisjoint(last.split("_"))
 
 
 def export(rev: str, into: Path) -> Path:

@@ -63,6 +63,20 @@ step "bench throughput" bench-throughput.json "${QUIRE[@]}" bench throughput --j
     --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 --vocab-size 32000 \
     --num-requests 256 --mean-prompt 200 --mean-output 180 --max-model-len 2048 --budget-seqs 16
 
+# 5. Tensor parallelism on two GPUs (NCCL): the same workload as step 4, Quire at TP=1 and TP=2 in
+#    one run (speed-up, collectives' share of the wall time, plan send cost per step). It needs two
+#    or more GPUs; on one it is skipped, and the summary says so.
+GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+if [[ $GPUS -ge 2 ]]; then
+    step "bench throughput TP=2 vs TP=1" bench-throughput-tp2.json "${QUIRE[@]}" bench throughput \
+        --json --systems quire --tensor-parallel-size 2 \
+        --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 --vocab-size 32000 \
+        --num-requests 256 --mean-prompt 200 --mean-output 180 --max-model-len 2048 --budget-seqs 16
+else
+    echo "=== tensor parallelism: SKIPPED, this machine has $GPUS GPU (it needs 2 or more)"
+    SUMMARY+=("$(printf '%-34s SKIPPED: %s GPU, needs 2 or more' "tensor parallelism" "$GPUS")")
+fi
+
 echo
 echo "=== summary (results in $RESULTS/)"
 printf '%s\n' "${SUMMARY[@]}"

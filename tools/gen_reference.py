@@ -2,7 +2,8 @@
 
 * ``docs/metrics.md``: every Prometheus metric the engine serves on ``/metrics``, read from the
   live registry (``quire_engine.engine.metrics.ServerMetrics`` plus the collectors ``serve``
-  adds to it: ``GcPauses`` and, with ``--profile``, ``ProfileCollector``).
+  adds to it: ``GcPauses`` and, with ``--profile``, ``ProfileCollector``), then vLLM's names
+  for the same data, each with its ``quire_*`` twin (``ServerMetrics.vllm_twins``).
 * ``docs/operator.md``: the InferenceService field table, walked from the CRD's
   ``openAPIV3Schema`` (``crds/inferenceservices.quire.dev.yaml``). Only the part below the
   marker line is generated; the introduction above it is written by hand.
@@ -39,12 +40,31 @@ Every engine serves Prometheus metrics at `GET /metrics` (no API key needed). Ev
 carries the label `model_name`: the first `--served-model-name` (default: `--model`). The table
 lists the sample names as they are exposed (a counter family `x` is exposed as `x_total`, a
 histogram as `x_bucket` with `le`, `x_sum` and `x_count`); prometheus_client also exposes a
-`*_created` timestamp per counter and histogram series, not listed. The gauges are written by the
-engine thread right after each step, so one scrape sees one consistent state.
+`*_created` timestamp per counter series (and per `quire_gc_pause_seconds` series), not listed.
+The gauges are written by the engine thread right after each step, so one scrape sees one
+consistent state. The same data is also served under vLLM's names: see
+[vLLM's names](#vllms-names) below.
 
 How these metrics drive autoscaling and the chart's dashboard: [autoscaling.md](autoscaling.md).
 
 | metric | type | labels | meaning |
+|---|---|---|---|
+"""
+
+VLLM_INTRO = """
+## vLLM's names
+
+Routers (the Gateway API Inference Extension's endpoint picker reads `vllm:num_requests_waiting`,
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:lora_requests_info` and
+`vllm:cache_config_info`), vLLM's dashboards, KEDA recipes and benchmark tools read vLLM's
+Prometheus series. The engine serves them too, with vLLM's names, types, units, bucket bounds and
+labels (`model_name` and `engine`, always `0`, on all but the two info gauges), unless it runs
+with `--no-vllm-metrics` (`QUIRE_VLLM_METRICS=false`). Each is a second name for the data of its
+Quire twin, not a second measurement: a vLLM counter or gauge is read from its twin (the sum of
+its twins) when scraped, and a vLLM histogram is fed the same observations as its twin, in the
+same call: same count and sum, bucketed by vLLM's bounds.
+
+| vLLM series | type | Quire twin | notes |
 |---|---|---|---|
 """
 
@@ -59,17 +79,24 @@ Hand-written introduction: replace me.
 # ---- metrics -------------------------------------------------------------------------------
 
 
-def metric_families() -> list[Any]:
-    """Every metric family a ``serve --profile`` process exposes, in registration order."""
+def served_metrics() -> tuple[list[Any], list[Any]]:
+    """Every metric family a ``serve --profile`` process with a loaded engine exposes, in
+    registration order, and its vLLM twins (``ServerMetrics.vllm_twins``)."""
     sys.path.insert(0, str(ROOT / "engine"))
-    from quire_engine.engine.metrics import GcPauses, ServerMetrics
+    from quire_engine.core.config import CacheConfig
+    from quire_engine.engine.metrics import EngineFacts, GcPauses, ServerMetrics
     from quire_engine.engine.profile import ProfileCollector, StepProfile
+    from quire_engine.engine.startup import StartupPhase
 
     metrics = ServerMetrics(MODEL)
+    # Token-count buckets depend on max_model_len; their help text says so, the table does not
+    # list them (buckets_text). Every start-up phase, so that the table lists them all.
+    phases = dict.fromkeys(StartupPhase, 0.0)
+    metrics.engine_ready(EngineFacts(2048, CacheConfig(num_blocks=1024), 0.9, 4.0, phases))
     gc_pauses = GcPauses(metrics.registry, MODEL)
     try:
         metrics.registry.register(ProfileCollector(StepProfile(), MODEL))
-        return list(metrics.registry.collect())
+        return list(metrics.registry.collect()), metrics.vllm_twins()
     finally:
         gc_pauses.close()
 
@@ -93,7 +120,9 @@ def exposed_names(family: Any) -> list[str]:
 
 
 def label_text(family: Any) -> str:
-    """``model_name, mode (recompute, swap)``: the labels, with the values other than the model."""
+    """``model_name, mode (recompute, swap)``: the labels, with the values other than the model
+    (an info gauge's label values describe one server: only their names are listed)."""
+    info = family.name.endswith("_info")
     values: dict[str, list[str]] = {}
     for label in getattr(family, "_labelnames", ()):
         values.setdefault(label, [])
@@ -102,7 +131,7 @@ def label_text(family: Any) -> str:
             if label == "le":
                 continue
             seen = values.setdefault(label, [])
-            if label != "model_name" and value not in seen:
+            if label != "model_name" and not info and value not in seen:
                 seen.append(value)
     parts = []
     for label, seen in values.items():
@@ -111,26 +140,44 @@ def label_text(family: Any) -> str:
 
 
 def buckets_text(family: Any) -> str:
+    """The bucket bounds, unless the help text says they depend on the engine."""
+    if "max_model_len" in family.documentation:
+        return ""
     bounds: list[str] = []
     for sample in family.samples:
         le = sample.labels.get("le")
-        if sample.name.endswith("_bucket") and le is not None and le not in bounds:
+        if sample.name.endswith("_bucket") and le not in (None, "+Inf") and le not in bounds:
             bounds.append(le)
     if not bounds:
         return ""
-    return " Buckets (s): " + ", ".join(b for b in bounds if b != "+Inf") + "."
+    unit = " (s)" if family.name.endswith("_seconds") else ""
+    return f" Buckets{unit}: " + ", ".join(bounds) + "."
+
+
+def sentence(text: str) -> str:
+    text = text.replace("|", "\\|").strip()
+    return text + "." if text and not text.endswith(".") else text
 
 
 def render_metrics() -> str:
+    families, twins = served_metrics()
     rows = []
-    for family in metric_families():
+    for family in families:
+        if family.name.startswith("vllm:"):
+            continue  # listed with their twins below
         names = "<br>".join(f"`{n}`" for n in exposed_names(family))
-        doc = family.documentation.replace("|", "\\|").strip()
-        if doc and not doc.endswith("."):
-            doc += "."
-        meaning = doc + buckets_text(family)
+        meaning = sentence(family.documentation) + buckets_text(family)
         rows.append(f"| {names} | {family.type} | {label_text(family)} | {meaning} |")
-    return METRICS_INTRO + "\n".join(rows) + "\n"
+    by_name = {family.name: family for family in families}
+    vllm_rows = []
+    for twin in twins:
+        family = by_name[twin.vllm]
+        names = "<br>".join(f"`{n}`" for n in exposed_names(family))
+        quire = " + ".join(f"`{q}`" for q in twin.quire) or "none"
+        notes = " ".join(t for t in (sentence(family.documentation), sentence(twin.note)) if t)
+        notes += buckets_text(family)
+        vllm_rows.append(f"| {names} | {twin.kind} | {quire} | {notes} |")
+    return METRICS_INTRO + "\n".join(rows) + "\n" + VLLM_INTRO + "\n".join(vllm_rows) + "\n"
 
 
 # ---- the CRD -------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 BENCHES = {
     "allocator": "paged KV pool vs a contiguous allocator at the same KV budget",
@@ -22,6 +24,10 @@ BENCHES = {
     "linear": "small-batch CPU matmuls: the native few-row linear vs torch's BLAS",
     "throughput": "offline throughput vs transformers static and continuous batching",
     "serve": "load generator against a running server: Poisson arrivals, TTFT/TPOT/ITL",
+    "route": "a fleet through a routing gateway vs the plain Service: prefix hits, TTFT, overhead",
+    "structured": "structured outputs: constrained vs unconstrained throughput, compile time, TTFT",
+    "load": "loading a safetensors checkpoint, by loader: seconds and peak resident memory",
+    "startup": "cold start of serve by phase (tiny and 32m): weights, KV pool, warm-up, ready",
 }
 
 
@@ -49,12 +55,25 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _headless(serve: ModuleType, args: argparse.Namespace) -> int:
+    """``serve --headless``: this node's tensor-parallel ranks only (``parallel/node``)."""
+    config = serve.settings_from_args(args).engine
+    serve.configure_logging(args.log_format, args.log_level)
+    if args.wait_for_model_cache:  # its ranks read their shards from the same cache
+        from quire_engine.hub_cache import wait_for_cache
+
+        wait_for_cache(Path(args.model), args.model_cache_timeout)
+    return int(importlib.import_module("quire_engine.parallel.node").run(config))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     if args.command == "serve":
         serve = importlib.import_module("quire_engine.server.cli")
         try:
+            if args.headless:
+                return _headless(serve, args)
             return int(serve.run(args))
         except ValueError as exc:
             print(f"quire-engine: error: {exc}", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import Any
 
 from quire_operator import meta
 from quire_operator.config import OperatorConfig
+from quire_operator.leader_worker_set import scale_target
 from quire_operator.objects import build_hpa
 from quire_operator.spec import AutoscalingBackend, InferenceService
 
@@ -31,6 +32,11 @@ KEDA_VERSION = "v1alpha1"
 SCALED_OBJECT_PLURAL = "scaledobjects"
 SCALED_OBJECT_KIND = "ScaledObject"
 HPA_KIND = "HorizontalPodAutoscaler"
+
+# Held requests per replica the held-requests trigger aims at when targetQueueDepth is unset:
+# the Endpoint Picker's utilization detector's default queueDepthThreshold (GIE v1.5.0).
+HELD_PER_REPLICA = 5.0
+HELD_TRIGGER = "held-requests"
 
 # The window of rate(quire_preemptions_total[...]): the same as the chart's adapter rule default
 # (adapterRules.preemptionRateWindow), so both backends see the same preemption rate.
@@ -43,9 +49,12 @@ def pod_matchers(isvc: InferenceService) -> str:
     Scrapers (the chart's PodMonitor, kubernetes_sd) label each series with ``namespace`` and
     ``pod``. A Deployment's pods are named ``<name>-<replicaset hash>-<suffix>``; requiring exactly
     two dash-free segments after the name keeps out the pods of an InferenceService named
-    ``<name>-<something>`` (theirs have three).
+    ``<name>-<something>`` (theirs have three). A multi-node replica's leader is ``<name>-<group
+    index>`` (its workers, ``<name>-<group>-<index>``, export no metrics).
     """
     ref = isvc.ref
+    if isvc.parallelism.multi_node:
+        return f'namespace="{ref.namespace}",pod=~"{ref.name}-[0-9]+"'
     return f'namespace="{ref.namespace}",pod=~"{ref.name}-[a-z0-9]+-[a-z0-9]+"'
 
 
@@ -79,6 +88,39 @@ def trigger_queries(isvc: InferenceService) -> list[tuple[str, str, float]]:
     return [(name, query, target) for name, query, target in candidates if target is not None]
 
 
+def held_requests_query(isvc: InferenceService) -> str:
+    """Requests the Endpoint Picker's flow control holds for this InferenceService's pool.
+
+    The picker labels its gauge ``inference_pool`` with its ``--pool-name`` (the
+    InferenceService's name), and the scraper adds ``namespace``; the sum folds its
+    ``fairness_id``/``priority``/model series into one number.
+    """
+    ref = isvc.ref
+    return (
+        "sum(inference_extension_flow_control_queue_size"
+        f'{{namespace="{ref.namespace}",inference_pool="{ref.name}"}})'
+    )
+
+
+def _held_requests_trigger(isvc: InferenceService, address: str) -> dict[str, Any]:
+    """Wakes the Deployment from zero: active as soon as one request is held (KEDA activates a
+    trigger whose value exceeds ``activationThreshold``). Above zero the held requests are the
+    backlog the engines' own queues no longer show, so they also count per replica like
+    ``targetQueueDepth``."""
+    target = isvc.autoscaling.target_queue_depth or HELD_PER_REPLICA
+    return {
+        "type": "prometheus",
+        "name": HELD_TRIGGER,
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": address,
+            "query": held_requests_query(isvc),
+            "threshold": _number(target),
+            "activationThreshold": "0",
+        },
+    }
+
+
 def _number(value: float) -> str:
     """KEDA reads thresholds as strings of plain decimals: 5.0 -> "5", 0.8 -> "0.8"."""
     return f"{value:g}"
@@ -106,8 +148,10 @@ def build_scaled_object(isvc: InferenceService, config: OperatorConfig) -> dict[
         }
         for name, query, target in trigger_queries(isvc)
     ]
+    if a.scales_to_zero:
+        triggers.append(_held_requests_trigger(isvc, address))
     spec: dict[str, Any] = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": isvc.ref.name},
+        "scaleTargetRef": scale_target(isvc),
         "minReplicaCount": a.min_replicas,
         "maxReplicaCount": a.max_replicas,
         "pollingInterval": a.keda.polling_interval_s,

@@ -16,6 +16,8 @@ from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
 from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL
+from quire_operator.inference_pool import POOL_GROUP, POOL_PLURAL, POOL_VERSION
+from quire_operator.leader_worker_set import LWS_GROUP, LWS_KIND, LWS_PLURAL, LWS_VERSION
 
 APPLY = "application/apply-patch+yaml"  # JSON is YAML, and the client sends dict bodies as JSON
 # (connect, read) seconds for every call.
@@ -29,17 +31,34 @@ class _Calls:
     delete: Callable[..., Any]
 
 
+def _custom_calls(custom: client.CustomObjectsApi, group: str, version: str, plural: str) -> _Calls:
+    """The custom-objects calls in the typed clients' argument order (name, namespace, ...)."""
+    return _Calls(
+        lambda name, ns, **kw: custom.get_namespaced_custom_object(
+            group, version, ns, plural, name, **kw
+        ),
+        lambda name, ns, body, **kw: custom.patch_namespaced_custom_object(
+            group, version, ns, plural, name, body, **kw
+        ),
+        lambda name, ns, **kw: custom.delete_namespaced_custom_object(
+            group, version, ns, plural, name, **kw
+        ),
+    )
+
+
 class Children:
-    """The kinds an InferenceService owns, behind one small interface. KEDA's ScaledObject goes
-    through the custom-objects API; without KEDA installed, reading one answers 404 like a missing
-    object (nothing to delete) and applying one fails with 404 (reported as ApplyFailed)."""
+    """The kinds an InferenceService owns, behind one small interface. KEDA's ScaledObject, the
+    InferencePool and the LeaderWorkerSet go through the custom-objects API; where their CRD is
+    not installed, reading one answers 404 like a missing object (nothing to delete) and applying
+    one fails with 404 (reported as ApplyFailed). ``served`` tells the two cases apart before an
+    apply."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self._api = api
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         hpa, pdb = client.AutoscalingV2Api(api), client.PolicyV1Api(api)
-        custom = client.CustomObjectsApi(api)
-        keda = (KEDA_GROUP, KEDA_VERSION)
+        rbac, batch = client.RbacAuthorizationV1Api(api), client.BatchV1Api(api)
+        self._custom = custom = client.CustomObjectsApi(api)
         self._calls = {
             "Deployment": _Calls(
                 apps.read_namespaced_deployment,
@@ -61,19 +80,56 @@ class Children:
                 pdb.patch_namespaced_pod_disruption_budget,
                 pdb.delete_namespaced_pod_disruption_budget,
             ),
-            # The custom-objects calls in the typed clients' argument order (name, namespace, ...).
-            "ScaledObject": _Calls(
-                lambda name, ns, **kw: custom.get_namespaced_custom_object(
-                    *keda, ns, SCALED_OBJECT_PLURAL, name, **kw
-                ),
-                lambda name, ns, body, **kw: custom.patch_namespaced_custom_object(
-                    *keda, ns, SCALED_OBJECT_PLURAL, name, body, **kw
-                ),
-                lambda name, ns, **kw: custom.delete_namespaced_custom_object(
-                    *keda, ns, SCALED_OBJECT_PLURAL, name, **kw
-                ),
+            "ServiceAccount": _Calls(
+                core.read_namespaced_service_account,
+                core.patch_namespaced_service_account,
+                core.delete_namespaced_service_account,
             ),
+            "ConfigMap": _Calls(
+                core.read_namespaced_config_map,
+                core.patch_namespaced_config_map,
+                core.delete_namespaced_config_map,
+            ),
+            "Role": _Calls(
+                rbac.read_namespaced_role,
+                rbac.patch_namespaced_role,
+                rbac.delete_namespaced_role,
+            ),
+            "RoleBinding": _Calls(
+                rbac.read_namespaced_role_binding,
+                rbac.patch_namespaced_role_binding,
+                rbac.delete_namespaced_role_binding,
+            ),
+            "PersistentVolumeClaim": _Calls(
+                core.read_namespaced_persistent_volume_claim,
+                core.patch_namespaced_persistent_volume_claim,
+                core.delete_namespaced_persistent_volume_claim,
+            ),
+            "Job": _Calls(
+                batch.read_namespaced_job,
+                batch.patch_namespaced_job,
+                batch.delete_namespaced_job,
+            ),
+            "ScaledObject": _custom_calls(custom, KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL),
+            "InferencePool": _custom_calls(custom, POOL_GROUP, POOL_VERSION, POOL_PLURAL),
+            LWS_KIND: _custom_calls(custom, LWS_GROUP, LWS_VERSION, LWS_PLURAL),
         }
+        self._resources = {
+            "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL),
+            LWS_KIND: (LWS_GROUP, LWS_VERSION, LWS_PLURAL),
+        }
+
+    def served(self, kind: str) -> bool:
+        """Whether the API server serves ``kind`` (a custom kind: its CRD is installed), asked of
+        discovery (/apis/GROUP/VERSION, which every authenticated client may read)."""
+        group, version, plural = self._resources[kind]
+        try:
+            found = self._custom.get_api_resources(group, version, _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return any(resource.name == plural for resource in found.resources)
 
     def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as API JSON, or None when there is none."""

@@ -27,8 +27,10 @@ import kopf
 from kubernetes import client, config
 
 from quire_operator import meta
-from quire_operator.config import DEFAULT_ENGINE_IMAGE, OperatorConfig
+from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION
+from quire_operator.config import DEFAULT_ENGINE_IMAGE, DEFAULT_EPP_IMAGE, OperatorConfig
 from quire_operator.handlers import register
+from quire_operator.inference_pool import POOL_GROUP, POOL_VERSION
 from quire_operator.peering import PeeringGate, ensure_peering
 from quire_operator.reconcile import Reconciler
 from quire_operator.requeue import Requeue, RequeueConfig
@@ -75,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("QUIRE_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
         help="engine image for InferenceServices that name none [env QUIRE_ENGINE_IMAGE]",
     )
+    parser.add_argument(
+        "--epp-image",
+        default=os.environ.get("QUIRE_EPP_IMAGE", DEFAULT_EPP_IMAGE),
+        help="Endpoint Picker image for InferenceServices routed through an InferencePool "
+        "[env QUIRE_EPP_IMAGE]",
+    )
     parser.add_argument("--cluster-domain", default="cluster.local", help="for status.url")
     parser.add_argument(
         "--resync-seconds",
@@ -101,11 +109,15 @@ def api_client() -> client.ApiClient:
     return config.new_client_from_config()
 
 
-def require_crd(api: client.ApiClient) -> None:
+def served_groups(api: client.ApiClient) -> set[tuple[str, str]]:
+    """(group, version) of every API the server serves."""
+    groups = client.ApisApi(api).get_api_versions().groups
+    return {(g.name, v.version) for g in groups for v in g.versions}
+
+
+def require_crd(served: set[tuple[str, str]]) -> None:
     """Refuse to start unless the API server serves InferenceServices: kopf resolves resources
     once at startup (settings.py), so an operator started before its CRD would serve nothing."""
-    groups = client.ApisApi(api).get_api_versions().groups
-    served = {(g.name, v.version) for g in groups for v in g.versions}
     if (meta.GROUP, meta.VERSION) not in served:
         raise SystemExit(
             f"quire-operator: the API server does not serve {meta.API_VERSION} InferenceServices; "
@@ -151,9 +163,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_image=args.engine_image,
         cluster_domain=args.cluster_domain,
         prometheus_address=args.prometheus_address,
+        epp_image=args.epp_image,
     )
     api = api_client()
-    require_crd(api)
+    served = served_groups(api)
+    require_crd(served)
+    watch_pools = (POOL_GROUP, POOL_VERSION) in served
+    if not watch_pools:
+        logger.info(
+            "%s/%s InferencePools are not served: routed InferenceServices report "
+            "InferencePoolCRDMissing until the CRD is installed (then restart the operator to "
+            "watch pools; until then they are read on each reconcile)",
+            POOL_GROUP,
+            POOL_VERSION,
+        )
     namespaces = None if args.all_namespaces else list(dict.fromkeys(args.namespaces))
     if not args.standalone:
         ensure_peering(api, args.peering, namespaces)
@@ -178,7 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         active,
         RequeueConfig(resync_s=args.resync_seconds),
     )
-    register(registry, settings, requeue.run)
+    # KEDA's ScaledObjects are watched where KEDA is installed at start (status.autoscaler
+    # follows their conditions); without it they are read on each reconcile.
+    watch_scaled_objects = (KEDA_GROUP, KEDA_VERSION) in served
+    register(registry, settings, requeue.run, watch_pools, watch_scaled_objects)
     logger.info(
         "serving %s; peering %s",
         "all namespaces" if namespaces is None else ", ".join(namespaces),

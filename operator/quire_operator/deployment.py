@@ -13,6 +13,7 @@ fields in the dict this module returns. Two consequences are deliberate:
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from quire_operator import meta
 from quire_operator.config import OperatorConfig
@@ -20,6 +21,7 @@ from quire_operator.spec import InferenceService, ModelKind, ModelSource, Secret
 
 ENGINE_PORT = 8000
 PORT_NAME = "http"
+RENDEZVOUS_PORT = 29500  # a multi-node replica's node 0 (leader) listens here for its workers
 MODEL_DIR = "/models"
 # The engine image's user and its home (Dockerfile.engine: useradd --uid 10001).
 ENGINE_UID = 10001
@@ -60,6 +62,16 @@ MANAGED_FLAGS = (
     "--swap-space",
     "--log-format",
     "--shutdown-timeout",
+    # spec.parallelism (and, for a LeaderWorkerSet's workers, the group's own variables)
+    "--tensor-parallel-size",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
+    "--no-headless",
+    "--wait-for-model-cache",  # spec.model.cache: the engine loads only a complete cache
+    "--no-wait-for-model-cache",
 )
 # Refused in extraArgs as well: an API key in args would be readable by anyone who can read the
 # InferenceService or its pods (spec.apiKeySecretRef passes it through a Secret instead).
@@ -83,8 +95,19 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
+def cache_claim_name(name: str) -> str:
+    """The model cache's PersistentVolumeClaim of the InferenceService ``name``."""
+    return f"{name}-model-cache"
+
+
 def model_path(model: ModelSource) -> str:
-    """What ``--model`` points at inside the container."""
+    """What ``--model`` points at inside the container (and, with the model cache, where the
+    download Job writes it in the volume mounted at MODEL_DIR)."""
+    if model.kind is ModelKind.HF and model.cache is not None:
+        # One directory per repository and revision: a new revision is downloaded next to the
+        # one replicas are reading, never over it. Quoting keeps a revision such as refs/pr/1
+        # one path component.
+        return f"{MODEL_DIR}/{model.location}/@{quote(model.revision or 'main', safe='')}"
     if model.kind is ModelKind.HF:
         return f"{MODEL_DIR}/{model.location}"
     if model.kind is ModelKind.PVC:
@@ -117,16 +140,44 @@ def engine_args(isvc: InferenceService) -> list[str]:
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.preemption_mode == "swap":
         args += ["--swap-space", _number(engine.swap_space_gib)]
-    return args + list(engine.extra_args)
+    if isvc.model.cache is not None:
+        args.append("--wait-for-model-cache")
+    return args + parallel_args(isvc) + list(engine.extra_args)
 
 
-def _container_security() -> dict[str, Any]:
-    # Pod Security Standards "restricted", plus a read-only root: nothing the engine needs is
-    # lost (it writes only to the SCRATCH_VOLUMES, /dev/shm and the model volume).
+def parallel_args(isvc: InferenceService) -> list[str]:
+    """The group's shape, the same on every pod of a replica (node 0's rendezvous port too)."""
+    parallelism = isvc.parallelism
+    args = []
+    if parallelism.ranks > 1:
+        args += ["--tensor-parallel-size", str(parallelism.ranks)]
+    if parallelism.multi_node:
+        args += ["--nnodes", str(parallelism.nodes), "--master-port", str(RENDEZVOUS_PORT)]
+    return args
+
+
+def container_security() -> dict[str, Any]:
+    """Pod Security Standards "restricted", plus a read-only root, for every container the
+    operator runs: the engine writes only to the SCRATCH_VOLUMES, /dev/shm and the model volume
+    (the Endpoint Picker only to its /tmp)."""
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def pod_security() -> dict[str, Any]:
+    """The pod securityContext of every pod running the engine image (engines, the model
+    cache's download Job): its non-root user, and its group owning the model volume."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": ENGINE_UID,
+        "runAsGroup": ENGINE_UID,
+        "fsGroup": ENGINE_UID,  # the model emptyDir / PVC must be writable/readable by it
+        # Without this the kubelet re-chowns every file of a model volume at each mount.
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -138,7 +189,7 @@ def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
-def _cpu_memory(isvc: InferenceService) -> dict[str, Any]:
+def cpu_memory(isvc: InferenceService) -> dict[str, Any]:
     resources: dict[str, Any] = {}
     if isvc.resources.requests:
         resources["requests"] = dict(isvc.resources.requests)
@@ -148,7 +199,7 @@ def _cpu_memory(isvc: InferenceService) -> dict[str, Any]:
 
 
 def _engine_resources(isvc: InferenceService) -> dict[str, Any]:
-    resources = _cpu_memory(isvc)
+    resources = cpu_memory(isvc)
     if isvc.resources.gpus:
         # Extended resources go in limits only; the API server copies them to requests.
         limits = {**resources.get("limits", {})}
@@ -166,7 +217,11 @@ def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _model_volume(model: ModelSource) -> dict[str, Any] | None:
+def _model_volume(isvc: InferenceService) -> dict[str, Any] | None:
+    model = isvc.model
+    if model.kind is ModelKind.HF and model.cache is not None:
+        claim = {"claimName": cache_claim_name(isvc.ref.name), "readOnly": True}
+        return {"name": "model", "persistentVolumeClaim": claim}
     if model.kind is ModelKind.HF:
         return {"name": "model", "emptyDir": {}}
     if model.kind is ModelKind.PVC:
@@ -175,28 +230,37 @@ def _model_volume(model: ModelSource) -> dict[str, Any] | None:
     return None
 
 
+def hf_env(model: ModelSource, hf_home: str) -> list[dict[str, Any]]:
+    """huggingface_hub's environment for a download: its home, no telemetry, the endpoint
+    (a mirror) and the token, from the Secret, never the spec."""
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": hf_home},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if model.hf_endpoint is not None:
+        env.append({"name": "HF_ENDPOINT", "value": model.hf_endpoint})
+    if model.hf_token is not None:
+        env.append(_secret_env("HF_TOKEN", model.hf_token))
+    return env
+
+
 def _download_container(isvc: InferenceService, image: str) -> dict[str, Any]:
     """Init container that fetches an hf:// model into the shared emptyDir with the engine
-    image's ``hf`` CLI. The token reaches this container only, from the Secret, never the spec."""
+    image's ``hf`` CLI. The token reaches this container only."""
     model = isvc.model
     command = ["hf", "download", model.location, "--local-dir", model_path(model)]
     if model.revision is not None:
         command += ["--revision", model.revision]
-    env: list[dict[str, Any]] = [
-        {"name": "HF_HOME", "value": f"{MODEL_DIR}/.hf-home"},
-        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-    ]
-    if model.hf_token is not None:
-        env.append(_secret_env("HF_TOKEN", model.hf_token))
+    env = hf_env(model, f"{MODEL_DIR}/.hf-home")
     container: dict[str, Any] = {
         "name": "download-model",
         "image": image,
         "command": command,
         "env": env,
         "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_scratch_mounts()],
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
     }
-    if resources := _cpu_memory(isvc):
+    if resources := cpu_memory(isvc):
         container["resources"] = resources
     return container
 
@@ -212,7 +276,7 @@ def _tolerations(isvc: InferenceService) -> list[dict[str, Any]]:
 
 def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     image = isvc.engine.image or config.engine_image
-    model_volume = _model_volume(isvc.model)
+    model_volume = _model_volume(isvc)
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}, *_scratch_mounts()]
     shm = {"medium": "Memory", "sizeLimit": isvc.resources.shared_memory}
     volumes: list[dict[str, Any]] = [
@@ -222,7 +286,9 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     if model_volume is not None:
         volumes.append(model_volume)
         mount = {"name": "model", "mountPath": MODEL_DIR}
-        mounts.append({**mount, "readOnly": True} if isvc.model.kind is ModelKind.PVC else mount)
+        # Only the emptyDir of a per-pod download is written by the pod itself.
+        writable = isvc.model.kind is ModelKind.HF and isvc.model.cache is None
+        mounts.append(mount if writable else {**mount, "readOnly": True})
     failures = MODEL_LOAD_BUDGET_S // STARTUP_PROBE_PERIOD_S
     container: dict[str, Any] = {
         "name": "engine",
@@ -236,7 +302,7 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
     }
     if isvc.api_key is not None:
         container["env"] = [_secret_env(API_KEY_ENV, isvc.api_key)]
@@ -255,19 +321,11 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         # The engine never calls the Kubernetes API: no token in the pod to steal.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_period_s(isvc),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": ENGINE_UID,
-            "runAsGroup": ENGINE_UID,
-            "fsGroup": ENGINE_UID,  # the model emptyDir / PVC must be writable/readable by it
-            # Without this the kubelet re-chowns every file of a model volume at each mount.
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(),
         "containers": [container],
         "volumes": volumes,
     }
-    if isvc.model.kind is ModelKind.HF:
+    if isvc.model.kind is ModelKind.HF and isvc.model.cache is None:
         pod["initContainers"] = [_download_container(isvc, image)]
     if tolerations := _tolerations(isvc):
         pod["tolerations"] = tolerations
@@ -292,7 +350,12 @@ def build_deployment(isvc: InferenceService, config: OperatorConfig) -> dict[str
         "selector": {"matchLabels": meta.selector_labels(name)},
         "progressDeadlineSeconds": MODEL_LOAD_BUDGET_S,
         "template": {
-            "metadata": {"labels": meta.labels(name), "annotations": dict(PROMETHEUS_ANNOTATIONS)},
+            "metadata": {
+                # The engine-type label tells an InferencePool's Endpoint Picker which metric
+                # names to read; on every engine pod, so turning routing on restarts no replica.
+                "labels": {**meta.labels(name), meta.ENGINE_TYPE_LABEL: meta.ENGINE_TYPE},
+                "annotations": dict(PROMETHEUS_ANNOTATIONS),
+            },
             "spec": _pod_spec(isvc, config),
         },
     }

@@ -1,10 +1,11 @@
 """Kubernetes Events on the InferenceService: one per transition, for ``kubectl describe``.
 
 ``transitions`` is pure: it compares the status before and after a reconcile and names what a
-person looks for (a generation applied, a scale, Ready gained or lost, Degraded and why, the
-recovery). An unchanged status yields nothing, so a reconcile loop that finds the world as it
-was posts no Event: Events cannot flood. ``EventRecorder`` posts them (core/v1 Events, the ones
-``kubectl describe`` lists); an Event that cannot be posted is logged and never fails a reconcile.
+person looks for (a generation applied, a scale, a scale to and from zero, Ready or RoutingReady
+gained or lost, Degraded and why, the recovery). An unchanged status yields nothing, so a
+reconcile loop that finds the world as it was posts no Event: Events cannot flood.
+``EventRecorder`` posts them (core/v1 Events, the ones ``kubectl describe`` lists); an Event that
+cannot be posted is logged and never fails a reconcile.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 NORMAL, WARNING = "Normal", "Warning"
 # Progressing reasons that mean the generation's children were applied.
 _APPLIED = frozenset({"RollingOut", "RolloutComplete"})
+# RoutingReady gained and lost (like Ready; present only with routing on, so turning routing off
+# is no loss).
+_ROUTING = ("RoutingReady", "RoutingReady", "RoutingNotReady")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,12 @@ class Transition:
 
 def _conditions(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def _idle(conditions: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Not ready only because the autoscaler scaled to zero (minReplicas 0)."""
+    ready = conditions.get("Ready", {}).get("reason") == "ScaledToZero"
+    return ready and conditions.get("ScaledToZero", {}).get("status") == "True"
 
 
 def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Transition]:
@@ -64,12 +74,22 @@ def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Tra
     elif degraded.get("status") == "False" and was_degraded.get("status") == "True":
         message = f"no longer degraded ({was_degraded.get('reason')} resolved)"
         found.append(Transition(NORMAL, "Recovered", message))
-    ready, was_ready = new.get("Ready", {}), old.get("Ready", {})
-    if ready.get("status") != was_ready.get("status"):
-        if ready.get("status") == "True":
-            found.append(Transition(NORMAL, "Ready", ready["message"]))
-        elif was_ready.get("status") == "True":
-            found.append(Transition(WARNING, "NotReady", ready["message"]))
+    # Scale to zero and back (present only with minReplicas 0): Normal both ways, expected.
+    zero, was_zero = new.get("ScaledToZero", {}), old.get("ScaledToZero", {})
+    if zero.get("status") == "True" and was_zero.get("status") == "False":
+        found.append(Transition(NORMAL, "ScaledToZero", "scaled to 0 replicas (idle)"))
+    elif zero.get("status") == "False" and was_zero.get("status") == "True":
+        message = f"scaled from 0 to {after.get('desiredReplicas')} replicas"
+        found.append(Transition(NORMAL, "ScaledFromZero", message))
+    for kind, gained, lost in (("Ready", "Ready", "NotReady"), _ROUTING):
+        now_, then = new.get(kind, {}), old.get(kind, {})
+        if now_.get("status") != then.get("status"):
+            if now_.get("status") == "True":
+                found.append(Transition(NORMAL, gained, now_["message"]))
+            elif then.get("status") == "True" and now_.get("status") == "False":
+                if kind == "Ready" and _idle(new):
+                    continue  # scaled to zero on purpose: no Warning
+                found.append(Transition(WARNING, lost, now_["message"]))
     return found
 
 

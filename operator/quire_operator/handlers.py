@@ -6,12 +6,17 @@ Triggers:
   start (resume). A failure or a problem a later attempt can fix (an object in the way that is
   not ours) is retried by the requeue, not by kopf, so every trigger gets the same backoff and
   the Degraded condition clears by itself once the cause is gone.
-- A child (Deployment, Service, HPA, PDB) or an engine pod changes or is deleted. Those watch
+- A child (Deployment, Service, HPA, PDB, ScaledObject, InferencePool, the model cache's claim
+  and Job) or a pod (engine, Endpoint Picker, model download) changes or is deleted. Those watch
   streams carry only objects labelled ``app.kubernetes.io/managed-by=quire-operator`` (a
   server-side label selector), and the owning InferenceService is named by the
-  ``app.kubernetes.io/instance`` label. This is how drift is repaired within seconds and how
-  status follows the Deployment and its pods without any timer (kopf timers would put a
-  finalizer on every InferenceService, and deletion should rely on owner references alone).
+  ``app.kubernetes.io/instance`` label. InferencePools and KEDA ScaledObjects are watched only
+  when their CRD is served at start (``watch_pools``, ``watch_scaled_objects``); the Endpoint
+  Picker's ConfigMap, ServiceAccount, Role and RoleBinding are not watched (the operator may
+  not list ConfigMaps, and needs no watch on RBAC objects): a change to them is repaired on the
+  next reconcile. This is how drift is repaired within seconds and how status follows the
+  Deployment and its pods without any timer (kopf timers would put a finalizer on every
+  InferenceService, and deletion should rely on owner references alone).
 - The requeue's slow periodic resync, for whatever no event announced.
 
 There is no deletion handler: the garbage collector deletes the children through their owner
@@ -27,6 +32,8 @@ from typing import Any
 import kopf
 
 from quire_operator import meta
+from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL
+from quire_operator.inference_pool import POOL_GROUP, POOL_PLURAL, POOL_VERSION
 
 # Reconcile one InferenceService, retrying on failure (Requeue.run).
 Run = Callable[[str, str], None]
@@ -34,6 +41,33 @@ Run = Callable[[str, str], None]
 
 def _generation(obj: Mapping[str, Any]) -> str:
     return str(obj["metadata"].get("generation"))
+
+
+def _verdicts(obj: Mapping[str, Any]) -> str:
+    """An object's conditions as ``type=status/reason``, sorted: no timestamps or messages."""
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    found = (f"{c.get('type')}={c.get('status')}/{c.get('reason')}" for c in conditions)
+    return ",".join(sorted(found))
+
+
+def _hpa_state(obj: Mapping[str, Any]) -> str:
+    """An HPA's spec generation, replica choice and condition verdicts: what status.autoscaler
+    shows, without the timestamps and metric values it rewrites every sync."""
+    desired = (obj.get("status") or {}).get("desiredReplicas")
+    return f"{_generation(obj)};{desired};{_verdicts(obj)}"
+
+
+def _scaled_object_state(obj: Mapping[str, Any]) -> str:
+    """A ScaledObject's spec generation and condition verdicts (Ready, Active, Fallback): what
+    status.autoscaler shows, without KEDA's per-poll writes (lastActiveTime)."""
+    return f"{_generation(obj)};{_verdicts(obj)}"
+
+
+def _job_state(obj: Mapping[str, Any]) -> str:
+    """A Job's running and failed pod counts and its condition verdicts (Complete, Failed): what
+    status.modelCache shows."""
+    status = obj.get("status") or {}
+    return f"{status.get('active', 0)};{status.get('failed', 0)};{_verdicts(obj)}"
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:
@@ -60,9 +94,16 @@ CHILDREN = (
     Child("", "v1", "pods", None),
     # Services have no generation; their resourceVersion only moves when someone edits them.
     Child("", "v1", "services", _resource_version),
-    Child("autoscaling", "v2", "horizontalpodautoscalers", _generation),
+    Child("autoscaling", "v2", "horizontalpodautoscalers", _hpa_state),
     Child("policy", "v1", "poddisruptionbudgets", _generation),
+    # The model cache: the claim's phase (Bound) and the download Job's progress feed the status.
+    Child("", "v1", "persistentvolumeclaims", None),
+    Child("batch", "v1", "jobs", _job_state),
 )
+# Every change matters: the Gateways write their verdicts on the pool into its status.
+POOLS = Child(POOL_GROUP, POOL_VERSION, POOL_PLURAL, None)
+# Watched only where KEDA's CRD is served at start (the operator runs without KEDA).
+SCALED_OBJECTS = Child(KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL, _scaled_object_state)
 
 
 class ChildEvents:
@@ -99,8 +140,17 @@ class ChildEvents:
         return before is not None and before != now
 
 
-def register(registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, run: Run) -> None:
-    """Register every handler in ``registry`` and narrow the children's watch streams."""
+def register(
+    registry: kopf.OperatorRegistry,
+    settings: kopf.OperatorSettings,
+    run: Run,
+    watch_pools: bool = False,
+    watch_scaled_objects: bool = False,
+) -> None:
+    """Register every handler in ``registry`` and narrow the children's watch streams;
+    ``watch_pools``/``watch_scaled_objects``: the API server serves InferencePools/KEDA
+    ScaledObjects (kopf resolves resources once, at start: a watch on a kind that is not served
+    would never deliver)."""
     inference_services = (meta.GROUP, meta.VERSION, meta.PLURAL)
 
     @kopf.on.resume(*inference_services, id="reconcile", registry=registry)
@@ -113,7 +163,8 @@ def register(registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, r
 
     events = ChildEvents(run)
     managed = {meta.MANAGED_BY_LABEL: meta.FIELD_MANAGER}
-    for child in CHILDREN:
+    optional = ((POOLS, watch_pools), (SCALED_OBJECTS, watch_scaled_objects))
+    for child in (*CHILDREN, *(child for child, served in optional if served)):
         selector = (child.group, child.version, child.plural)
         settings.watching.label_selectors[selector] = meta.MANAGED_BY_SELECTOR
         kopf.on.event(*selector, id=f"child-{child.plural}", labels=managed, registry=registry)(

@@ -11,6 +11,7 @@ from typing import Any
 
 from quire_operator import meta
 from quire_operator.deployment import PORT_NAME
+from quire_operator.leader_worker_set import pod_selector, scale_target
 from quire_operator.spec import InferenceService
 
 # Pods metrics the HPA reads through the custom metrics API. The first three are engine gauges as
@@ -46,7 +47,7 @@ def build_service(isvc: InferenceService) -> dict[str, Any]:
         "metadata": meta.object_meta(isvc.ref),
         "spec": {
             "type": isvc.service.type,
-            "selector": meta.selector_labels(isvc.ref.name),
+            "selector": pod_selector(isvc),  # a multi-node replica: its leader only
             "ports": [port],
         },
     }
@@ -70,7 +71,7 @@ def build_hpa(isvc: InferenceService) -> dict[str, Any] | None:
         (PREEMPTION_METRIC, autoscaling.target_preemption_rate),
     ]
     spec: dict[str, Any] = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": isvc.ref.name},
+        "scaleTargetRef": scale_target(isvc),
         "minReplicas": autoscaling.min_replicas,
         "maxReplicas": autoscaling.max_replicas,
         "metrics": [_pods_metric(name, target) for name, target in targets if target is not None],

@@ -1,4 +1,6 @@
-"""What the operator observes, parsed once: frozen views of a Deployment and its pods.
+"""What the operator observes, parsed once: frozen views of a Deployment, its pods, the
+parents (Gateways) reporting on an InferencePool, the model cache's download Job and its pods'
+termination messages.
 
 The API server's JSON (``sanitize_for_serialization`` of the client's models) is walked here and
 nowhere else, the way ``spec.py`` is the only reader of the custom object. A missing field takes
@@ -8,7 +10,9 @@ works on plain typed values and its tests build views from small literals.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +24,12 @@ class Condition:
     message: str
 
 
+def _condition(c: Mapping[str, Any]) -> Condition:
+    return Condition(c.get("status", "Unknown"), c.get("reason", ""), c.get("message", ""))
+
+
 def _conditions(status: Mapping[str, Any]) -> dict[str, Condition]:
-    return {
-        c["type"]: Condition(c.get("status", "Unknown"), c.get("reason", ""), c.get("message", ""))
-        for c in status.get("conditions") or []
-        if "type" in c
-    }
+    return {c["type"]: _condition(c) for c in status.get("conditions") or [] if "type" in c}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,14 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentView:
     )
 
 
+def parse_leader_worker_set(obj: Mapping[str, Any]) -> DeploymentView:
+    """A LeaderWorkerSet as the Deployment view of its groups: its status has the Deployment's
+    counters (``replicas`` counts groups) but no available count; a group is available when it
+    is ready (all its pods are)."""
+    view = parse_deployment(obj)
+    return dataclasses.replace(view, available=view.ready)
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A container that is not running, and the kubelet's words for why."""
@@ -103,6 +115,80 @@ def parse_pod(obj: Mapping[str, Any]) -> PodView:
     return PodView(obj["metadata"]["name"], unschedulable, tuple(waiting))
 
 
+@dataclass(frozen=True)
+class PoolParent:
+    """One parent (a Gateway) reporting on an InferencePool: its entry of ``status.parents``."""
+
+    group: str
+    kind: str
+    namespace: str  # "" for the pool's own namespace
+    name: str
+    # (type, condition) in the parent's order: Accepted, ResolvedRefs, ...
+    conditions: tuple[tuple[str, Condition], ...]
+
+    def describe(self) -> str:
+        where = f"{self.namespace}/{self.name}" if self.namespace else self.name
+        return f"{self.kind} {where}"
+
+
+def parse_pool_parents(obj: Mapping[str, Any]) -> tuple[PoolParent, ...]:
+    """An InferencePool's ``status.parents``; the CRD defaults a parentRef's group and kind to
+    the Gateway API's Gateway."""
+    parents = []
+    for entry in (obj.get("status") or {}).get("parents") or []:
+        ref = entry.get("parentRef") or {}
+        conditions = tuple(
+            (c["type"], _condition(c)) for c in entry.get("conditions") or [] if "type" in c
+        )
+        parents.append(
+            PoolParent(
+                group=ref.get("group", "gateway.networking.k8s.io"),
+                kind=ref.get("kind", "Gateway"),
+                namespace=ref.get("namespace", ""),
+                name=ref.get("name", ""),
+                conditions=conditions,
+            )
+        )
+    return tuple(parents)
+
+
+# The autoscaler conditions status.autoscaler copies: the HPA's (autoscaling/v2) and a KEDA
+# ScaledObject's; others (KEDA's Paused) are left out.
+AUTOSCALER_CONDITIONS = frozenset(
+    {"AbleToScale", "ScalingActive", "ScalingLimited", "Ready", "Active", "Fallback"}
+)
+
+
+@dataclass(frozen=True)
+class AutoscalerView:
+    """The HPA or ScaledObject the operator owns: its kind, name, replica counts (an HPA's
+    ``status.currentReplicas``/``desiredReplicas``; None for a ScaledObject, whose HPA KEDA owns)
+    and conditions."""
+
+    kind: str
+    name: str
+    current_replicas: int | None
+    desired_replicas: int | None
+    conditions: tuple[tuple[str, Condition], ...]
+
+
+def parse_autoscaler(obj: Mapping[str, Any]) -> AutoscalerView:
+    status = obj.get("status") or {}
+    conditions = tuple(
+        (c["type"], _condition(c))
+        for c in status.get("conditions") or []
+        if c.get("type") in AUTOSCALER_CONDITIONS
+    )
+    current, desired = status.get("currentReplicas"), status.get("desiredReplicas")
+    return AutoscalerView(
+        kind=obj.get("kind", ""),
+        name=obj.get("metadata", {}).get("name", ""),
+        current_replicas=None if current is None else int(current),
+        desired_replicas=None if desired is None else int(desired),
+        conditions=conditions,
+    )
+
+
 def controller_uid(obj: Mapping[str, Any]) -> str | None:
     """The uid of the object's controller (the owner reference with ``controller: true``)."""
     for owner in obj.get("metadata", {}).get("ownerReferences") or []:
@@ -110,3 +196,64 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
             uid: str | None = owner.get("uid")
             return uid
     return None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A batch/v1 Job: its pods' counters and its conditions (Complete, Failed)."""
+
+    name: str
+    active: int
+    failed: int
+    conditions: Mapping[str, Condition]
+
+    def finished(self, kind: str) -> Condition | None:
+        """The ``Complete`` or ``Failed`` condition when it is True."""
+        condition = self.conditions.get(kind)
+        return condition if condition is not None and condition.status == "True" else None
+
+
+def parse_job(obj: Mapping[str, Any]) -> JobView:
+    status = obj.get("status") or {}
+    return JobView(
+        name=obj.get("metadata", {}).get("name", ""),
+        active=int(status.get("active", 0)),
+        failed=int(status.get("failed", 0)),
+        conditions=_conditions(status),
+    )
+
+
+@dataclass(frozen=True)
+class DownloadOutcome:
+    """The termination message of the model cache's download, from its last finished pod:
+    ``quire_engine.hub_cache`` writes one JSON line (commit, bytes, files) on success and its
+    error otherwise (or the kubelet its last log lines)."""
+
+    succeeded: bool
+    commit: str | None = None
+    bytes: int | None = None
+    files: int | None = None
+    error: str = ""
+
+
+def parse_download(pods: Sequence[Mapping[str, Any]]) -> DownloadOutcome | None:
+    """The outcome of the newest pod whose container has terminated; None while none has."""
+    ended = []
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            terminated = (container.get("state") or {}).get("terminated")
+            if terminated is not None:
+                ended.append((terminated.get("finishedAt") or "", terminated))
+    if not ended:
+        return None
+    _, last = max(ended, key=lambda item: item[0])
+    message = (last.get("message") or "").strip()
+    if last.get("exitCode") != 0:
+        return DownloadOutcome(False, error=message or last.get("reason") or "failed")
+    try:
+        summary = json.loads(message)
+        return DownloadOutcome(
+            True, str(summary["commit"]), int(summary["bytes"]), int(summary["files"])
+        )
+    except (ValueError, KeyError, TypeError):
+        return DownloadOutcome(True)  # finished, but said nothing readable

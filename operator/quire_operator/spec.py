@@ -23,11 +23,14 @@ _PVC = re.compile(
     r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>(/[A-Za-z0-9._-]+)*)/?$"
 )
 _FILE = re.compile(r"^file://(?P<path>/[A-Za-z0-9._/-]+)$")
+# A Kubernetes quantity (resource.Quantity's grammar, without the sign).
+_QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+_URL = re.compile(r"^https?://\S+$")
 
 
 class ModelKind(enum.Enum):
     TINY = "tiny"  # the engine's embedded test model: nothing to fetch or mount
-    HF = "hf"  # downloaded from the Hugging Face Hub by an init container
+    HF = "hf"  # downloaded from the Hugging Face Hub (init container, or the model cache's Job)
     PVC = "pvc"  # a PersistentVolumeClaim mounted read-only
     FILE = "file"  # a path already inside the image
 
@@ -36,6 +39,25 @@ class ModelKind(enum.Enum):
 class SecretKeyRef:
     name: str
     key: str
+
+
+class CacheAccessMode(enum.Enum):
+    READ_WRITE_MANY = "ReadWriteMany"  # replicas on any node mount the volume
+    READ_WRITE_ONCE = "ReadWriteOnce"  # the Job and every replica must share one node
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """spec.model.cache: the volume an hf:// model is downloaded into once, for every replica."""
+
+    size: str | int  # a quantity as written
+    storage_class_name: str | None = None  # None: the cluster's default StorageClass
+    access_mode: CacheAccessMode = CacheAccessMode.READ_WRITE_MANY
+
+    def __post_init__(self) -> None:
+        valid = self.size > 0 if isinstance(self.size, int) else _QUANTITY.match(self.size)
+        if not valid:
+            raise ValueError(f"model.cache.size must be a quantity such as 20Gi: {self.size!r}")
 
 
 @dataclass(frozen=True)
@@ -48,12 +70,25 @@ class ModelSource:
     revision: str | None
     served_name: str
     hf_token: SecretKeyRef | None
+    # hf only: where huggingface_hub downloads from (HF_ENDPOINT: a mirror); None: the Hub.
+    hf_endpoint: str | None = None
+    # hf only: download once into a shared volume instead of into each pod.
+    cache: ModelCache | None = None
 
     def __post_init__(self) -> None:
         if self.hf_token is not None and self.kind is not ModelKind.HF:
             raise ValueError("model.hfTokenSecretRef applies only to hf:// models")
         if self.revision is not None and self.kind is not ModelKind.HF:
             raise ValueError("model.revision applies only to hf:// models")
+        if self.cache is not None and self.kind is not ModelKind.HF:
+            raise ValueError(
+                "model.cache applies only to hf:// models (pvc:// and file:// models are "
+                "already on a volume or in the image)"
+            )
+        if self.hf_endpoint is not None and self.kind is not ModelKind.HF:
+            raise ValueError("model.hfEndpoint applies only to hf:// models")
+        if self.hf_endpoint is not None and not _URL.match(self.hf_endpoint):
+            raise ValueError(f"model.hfEndpoint must be an http(s) URL: {self.hf_endpoint!r}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +167,20 @@ class KedaSettings:
 
 
 @dataclass(frozen=True)
+class ScaleToZero:
+    """The Endpoint Picker's hold queue while no replica is ready (used with minReplicas 0)."""
+
+    queue_size: int = 100
+    hold_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.hold_timeout_s < 1:
+            raise ValueError(
+                "autoscaling.scaleToZero.queueSize and holdTimeoutSeconds must be >= 1"
+            )
+
+
+@dataclass(frozen=True)
 class Autoscaling:
     enabled: bool
     min_replicas: int
@@ -144,8 +193,16 @@ class Autoscaling:
     backend: AutoscalingBackend = AutoscalingBackend.HPA
     target_kv_cache_demand: float | None = None
     keda: KedaSettings = field(default_factory=KedaSettings)
+    scale_to_zero: ScaleToZero = field(default_factory=ScaleToZero)
 
     def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError(f"autoscaling.minReplicas must be >= 0: {self.min_replicas}")
+        if self.min_replicas == 0 and self.backend is not AutoscalingBackend.KEDA:
+            raise ValueError(
+                "autoscaling.minReplicas 0 (scale to zero) needs backend keda: an HPA cannot "
+                "scale to zero replicas"
+            )
         if not self.enabled:
             return
         if self.max_replicas is None:
@@ -161,11 +218,100 @@ class Autoscaling:
         if all(target is None for target in targets):
             raise ValueError("autoscaling needs at least one target")
 
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.enabled and self.min_replicas == 0
+
 
 @dataclass(frozen=True)
 class ServiceSpec:
     type: str
     port: int
+
+
+class RoutingMode(enum.Enum):
+    SERVICE = "Service"  # the Service alone: kube-proxy spreads connections over the replicas
+    INFERENCE_POOL = "InferencePool"  # plus an InferencePool and its Endpoint Picker
+
+
+class FailureMode(enum.Enum):
+    """What a Gateway does while the Endpoint Picker does not answer (InferencePool's
+    endpointPickerRef.failureMode)."""
+
+    FAIL_CLOSE = "FailClose"  # refuse the request
+    FAIL_OPEN = "FailOpen"  # send it to a replica the Gateway picks itself
+
+
+# The Endpoint Picker's scorer weights, bounded as in the CRD.
+MAX_SCORER_WEIGHT = 100
+# metadata.name + "-epp" names the Endpoint Picker's Service, a DNS-1035 label (63 characters).
+MAX_ROUTED_NAME = 59
+
+
+@dataclass(frozen=True)
+class ScorerWeights:
+    """Weights of the Endpoint Picker's scorers (0 leaves a scorer out); defaults as GIE's."""
+
+    queue: int = 2
+    kv_cache_utilization: int = 2
+    prefix_cache: int = 3
+
+    def __post_init__(self) -> None:
+        weights = (self.queue, self.kv_cache_utilization, self.prefix_cache)
+        if any(not 0 <= w <= MAX_SCORER_WEIGHT for w in weights):
+            raise ValueError(f"routing.scorerWeights must be 0..{MAX_SCORER_WEIGHT}: {weights}")
+        if not any(weights):
+            raise ValueError("routing.scorerWeights: at least one weight must be above 0")
+
+
+@dataclass(frozen=True)
+class Routing:
+    mode: RoutingMode = RoutingMode.SERVICE
+    failure_mode: FailureMode = FailureMode.FAIL_CLOSE
+    weights: ScorerWeights = field(default_factory=ScorerWeights)
+    # The Endpoint Picker container's cpu/memory quantities exactly as written.
+    epp_requests: Mapping[str, str | int] = field(default_factory=dict)
+    epp_limits: Mapping[str, str | int] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is RoutingMode.INFERENCE_POOL
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How one replica shards its model: ``tensor`` ranks per pod (one GPU each on GPU pods) over
+    ``nodes`` pods. More than one node: the replica is a LeaderWorkerSet group, not a pod."""
+
+    tensor: int = 1
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor < 1 or self.nodes < 1:
+            raise ValueError(
+                f"parallelism.tensor and nodes must be >= 1; got {self.tensor}, {self.nodes}"
+            )
+
+    @property
+    def ranks(self) -> int:
+        """The engine's --tensor-parallel-size: the ranks of all the replica's pods."""
+        return self.tensor * self.nodes
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+
+def parse_parallelism(parallelism: Mapping[str, Any], gpus: int) -> Parallelism:
+    """``spec.parallelism``: tensor defaults to the pod's GPU count (1 on CPU); a GPU count the
+    parallelism does not use is refused (the CRD's rule says the same)."""
+    tensor = parallelism.get("tensor", gpus or 1)
+    if gpus and tensor != gpus:
+        raise ValueError(
+            f"resources.gpus is {gpus} but parallelism.tensor is {tensor}: each tensor-parallel "
+            "rank of a pod uses one GPU, so a GPU pod needs exactly parallelism.tensor GPUs"
+        )
+    return Parallelism(tensor=tensor, nodes=parallelism.get("nodes", 1))
 
 
 @dataclass(frozen=True)
@@ -183,6 +329,20 @@ class InferenceService:
     service: ServiceSpec
     # The Secret key the engine reads its API key from (env QUIRE_API_KEY); None: no key.
     api_key: SecretKeyRef | None = None
+    routing: Routing = field(default_factory=Routing)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+
+    def __post_init__(self) -> None:
+        if self.routing.enabled and len(self.ref.name) > MAX_ROUTED_NAME:
+            raise ValueError(
+                f"metadata.name must be at most {MAX_ROUTED_NAME} characters with routing "
+                f"mode InferencePool (the Endpoint Picker's Service is named <name>-epp)"
+            )
+        if self.autoscaling.scales_to_zero and not self.routing.enabled:
+            raise ValueError(
+                "autoscaling.minReplicas 0 needs routing.mode InferencePool: its Endpoint Picker "
+                "holds the requests that arrive while no replica runs"
+            )
 
     @property
     def max_replicas(self) -> int:
@@ -196,12 +356,24 @@ def _secret_key_ref(ref: Mapping[str, Any] | None) -> SecretKeyRef | None:
     return SecretKeyRef(ref["name"], ref["key"]) if ref else None
 
 
+def _parse_cache(cache: Mapping[str, Any] | None) -> ModelCache | None:
+    if cache is None:
+        return None
+    return ModelCache(
+        size=cache["size"],
+        storage_class_name=cache.get("storageClassName"),
+        access_mode=CacheAccessMode(cache.get("accessMode", CacheAccessMode.READ_WRITE_MANY.value)),
+    )
+
+
 def parse_model(model: Mapping[str, Any], default_served_name: str) -> ModelSource:
     uri: str = model["uri"]
     common: dict[str, Any] = {
         "revision": model.get("revision"),
         "served_name": model.get("servedName") or default_served_name,
         "hf_token": _secret_key_ref(model.get("hfTokenSecretRef")),
+        "hf_endpoint": model.get("hfEndpoint"),
+        "cache": _parse_cache(model.get("cache")),
     }
     if uri == "tiny":
         return ModelSource(ModelKind.TINY, "tiny", "", **common)
@@ -241,6 +413,7 @@ def parse_autoscaling(autoscaling: Mapping[str, Any]) -> Autoscaling:
     # backend and keda arrived with a later CRD: read with defaults for objects stored before.
     keda = autoscaling.get("keda") or {}
     fallback = keda.get("fallback") or {}
+    hold = autoscaling.get("scaleToZero") or {}
     return Autoscaling(
         enabled=autoscaling["enabled"],
         min_replicas=autoscaling["minReplicas"],
@@ -258,6 +431,33 @@ def parse_autoscaling(autoscaling: Mapping[str, Any]) -> Autoscaling:
             fallback_failure_threshold=fallback.get("failureThreshold"),
             fallback_replicas=fallback.get("replicas"),
         ),
+        scale_to_zero=ScaleToZero(
+            queue_size=hold.get("queueSize", 100),
+            hold_timeout_s=hold.get("holdTimeoutSeconds", 300),
+        ),
+    )
+
+
+# spec.routing.scorerWeights keys -> ScorerWeights fields.
+_WEIGHT_FIELDS = {
+    "queue": "queue",
+    "kvCacheUtilization": "kv_cache_utilization",
+    "prefixCache": "prefix_cache",
+}
+
+
+def parse_routing(routing: Mapping[str, Any]) -> Routing:
+    # Read with defaults: objects stored before the CRD had spec.routing.
+    weights = routing.get("scorerWeights") or {}
+    resources = (routing.get("endpointPicker") or {}).get("resources") or {}
+    return Routing(
+        mode=RoutingMode(routing.get("mode", RoutingMode.SERVICE.value)),
+        failure_mode=FailureMode(routing.get("failureMode", FailureMode.FAIL_CLOSE.value)),
+        weights=ScorerWeights(
+            **{attr: weights[key] for key, attr in _WEIGHT_FIELDS.items() if key in weights}
+        ),
+        epp_requests=dict(resources.get("requests") or {}),
+        epp_limits=dict(resources.get("limits") or {}),
     )
 
 
@@ -291,4 +491,6 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
         autoscaling=parse_autoscaling(spec["autoscaling"]),
         service=ServiceSpec(type=spec["service"]["type"], port=spec["service"]["port"]),
         api_key=_secret_key_ref(spec.get("apiKeySecretRef")),
+        routing=parse_routing(spec.get("routing") or {}),
+        parallelism=parse_parallelism(spec.get("parallelism") or {}, resources["gpus"]),
     )

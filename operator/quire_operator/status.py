@@ -10,6 +10,26 @@ Only the operator writes ``status`` (a merge patch on the status subresource). C
   replicas that cannot start (unschedulable, image pull or crash loops, a missing Secret, a
   stuck rollout).
 
+- ``RoutingReady`` (only with ``spec.routing.mode: InferencePool``): True while the Endpoint
+  Picker has a ready replica, its InferencePool exists and no Gateway reporting on the pool
+  refuses it (``Accepted`` or ``ResolvedRefs`` False); otherwise False with the reason.
+  ``status.routing`` names the pool and copies what each Gateway reports on it.
+
+- ``ScaledToZero`` (only with ``spec.autoscaling.minReplicas: 0``): True while the Deployment
+  has 0 replicas (the Endpoint Picker holds new requests until one is ready); False with reason
+  ``Waking`` (and how many requests are held, from Prometheus) while replicas are wanted and none
+  is ready yet, ``Scaled`` once one is.
+
+``autoscaler`` is the state of the HPA or ScaledObject the operator owns: its replica counts (an
+HPA's) and its conditions (an HPA's AbleToScale/ScalingActive/ScalingLimited, a ScaledObject's
+Ready/Active/Fallback), which say whether scaling works and what limits it, and ``lastScale``:
+when the Deployment's replica count last changed, from what to what, ``Up`` or ``Down``.
+
+``modelCache`` (only with ``spec.model.cache``) follows the cache volume and its download Job:
+``Pending`` (the claim is not bound or the Job has not started), ``Downloading``, ``Ready``
+(the commit, bytes and files the Job verified) or ``Failed``; a failed Job (or one whose pod
+cannot start) is also ``Degraded`` with reason ``ModelCacheFailed`` and the Job's last message.
+
 ``auth`` says what a client must send: ``APIKey`` (a bearer key from spec.apiKeySecretRef) or
 ``None``; a printer column shows it.
 
@@ -19,11 +39,19 @@ conditions tell whether that generation was applied.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from quire_operator.observed import DeploymentView, PodView
+from quire_operator.observed import (
+    AutoscalerView,
+    DeploymentView,
+    DownloadOutcome,
+    JobView,
+    PodView,
+    PoolParent,
+)
 
 # Container waiting reasons that mean the replica will not start without someone acting.
 # CreateContainerConfigError is also how a missing Secret (API key, model token) shows: the
@@ -38,9 +66,20 @@ STUCK_WAITING_REASONS = frozenset(
         "CreateContainerError",
     }
 )
+# An InferencePool parent's conditions that, False, mean the Gateway does not route to the pool.
+REFUSING_CONDITIONS = frozenset({"Accepted", "ResolvedRefs"})
 # status.auth: what a client must send. A printer column shows it.
 AUTH_API_KEY = "APIKey"
 AUTH_NONE = "None"
+
+
+class ConditionRow(NamedTuple):
+    """One condition before its timestamps."""
+
+    type: str
+    ok: bool
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -54,6 +93,36 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class RoutingObservation:
+    """The InferencePool and its Endpoint Picker, when the spec asks for them."""
+
+    pool: str  # the InferencePool's name
+    endpoint_picker: str  # its Service's name
+    picker: DeploymentView | None  # None when it does not exist (or is not ours)
+    picker_pods: Sequence[PodView]  # listed only when the picker is not settled
+    parents: Sequence[PoolParent] | None  # None when the pool does not exist (or is not ours)
+
+
+class CacheState(enum.Enum):
+    PENDING = "Pending"
+    DOWNLOADING = "Downloading"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class CacheObservation:
+    """The model cache's claim and download Job, when the spec asks for them."""
+
+    claim: str
+    claim_phase: str | None  # the claim's status.phase; None when it does not exist (or not ours)
+    job: str  # the Job's name for the current spec
+    download: JobView | None  # None when it does not exist (or is not ours)
+    pods: Sequence[PodView] = ()  # the Job's pods
+    outcome: DownloadOutcome | None = None  # the last finished pod's termination message
+
+
+@dataclass(frozen=True)
 class Observation:
     generation: int
     url: str
@@ -62,6 +131,13 @@ class Observation:
     problem: Problem | None
     deployment: DeploymentView | None  # None when it does not exist (or is not ours)
     pods: Sequence[PodView]  # the Deployment's pods (listed only when it is not settled)
+    routing: RoutingObservation | None = None  # None with spec.routing.mode Service
+    autoscaler: AutoscalerView | None = None  # None when autoscaling is off (or not applied)
+    scales_to_zero: bool = False  # spec.autoscaling is on with minReplicas 0
+    # Requests the Endpoint Picker holds while the service wakes from zero (None: not waking,
+    # or Prometheus did not say).
+    held: int | None = None
+    model_cache: CacheObservation | None = None  # None without spec.model.cache
 
 
 def _deployment_problem(deployment: DeploymentView) -> Problem | None:
@@ -85,42 +161,196 @@ def _pod_problem(pods: Sequence[PodView]) -> Problem | None:
     return None
 
 
-def _conditions(obs: Observation) -> list[tuple[str, bool, str, str]]:
-    """(type, status, reason, message) of Ready, Progressing, Degraded."""
+def _picker_problem(routing: RoutingObservation | None) -> Problem | None:
+    """A stuck Endpoint Picker (its image cannot be pulled, it crash-loops), worded as such."""
+    if routing is None or routing.picker is None:
+        return None
+    stuck = _deployment_problem(routing.picker) or _pod_problem(routing.picker_pods)
+    return None if stuck is None else Problem(stuck.reason, f"endpoint picker: {stuck.message}")
+
+
+def _cache_state(cache: CacheObservation) -> tuple[CacheState, str]:
+    job, outcome = cache.download, cache.outcome
+    if job is None:
+        return CacheState.PENDING, f"the download Job {cache.job} does not exist yet"
+    if job.finished("Complete") is not None:
+        return CacheState.READY, "downloaded and verified"
+    failed = job.finished("Failed")
+    if failed is not None:
+        last = f"; last attempt: {outcome.error}" if outcome and outcome.error else ""
+        return CacheState.FAILED, f"{failed.reason}: {failed.message}{last}"
+    stuck = _pod_problem(cache.pods)
+    if stuck is not None:
+        return CacheState.PENDING, stuck.message
+    if cache.claim_phase != "Bound":
+        phase = cache.claim_phase or "missing"
+        return CacheState.PENDING, f"PersistentVolumeClaim {cache.claim} is {phase}"
+    if job.active:
+        retry = f" (after {job.failed} failed attempts)" if job.failed else ""
+        return CacheState.DOWNLOADING, f"Job {job.name} is downloading{retry}"
+    return CacheState.PENDING, f"Job {job.name} has no running pod yet"
+
+
+def _cache_problem(cache: CacheObservation | None) -> Problem | None:
+    """A failed download Job, or one whose pod cannot start, needs a person."""
+    if cache is None or cache.download is None:
+        return None
+    state, message = _cache_state(cache)
+    if state is CacheState.FAILED or _pod_problem(cache.pods) is not None:
+        return Problem("ModelCacheFailed", f"model cache Job {cache.job}: {message}")
+    return None
+
+
+def _cache_status(cache: CacheObservation) -> dict[str, Any]:
+    state, message = _cache_state(cache)
+    status: dict[str, Any] = {"state": state.value, "claim": cache.claim, "job": cache.job}
+    outcome = cache.outcome
+    if state is CacheState.READY and outcome is not None and outcome.succeeded:
+        for key, value in (("commit", outcome.commit), ("bytes", outcome.bytes),
+                           ("files", outcome.files)):  # fmt: skip
+            if value is not None:
+                status[key] = value
+    status["message"] = message
+    return status
+
+
+def _routing_condition(obs: Observation, routing: RoutingObservation) -> ConditionRow:
+    picker, parents = routing.picker, routing.parents
+    if picker is None or parents is None:
+        missing = "endpoint picker Deployment" if picker is None else "InferencePool"
+        why = obs.problem or Problem("RoutingNotApplied", f"the {missing} does not exist")
+        return ConditionRow("RoutingReady", False, why.reason, why.message)
+    if not picker.ready:
+        message = f"0/{picker.desired} endpoint picker replicas ready"
+        stuck = _picker_problem(routing)
+        if stuck is not None:
+            message = f"{message}; {stuck.message}"
+        return ConditionRow("RoutingReady", False, "EndpointPickerNotReady", message)
+    for parent in parents:
+        for kind, condition in parent.conditions:
+            if kind in REFUSING_CONDITIONS and condition.status == "False":
+                message = f"{parent.describe()}: {kind}=False: {condition.message}"
+                return ConditionRow(
+                    "RoutingReady", False, condition.reason or f"Not{kind}", message
+                )
+    named = ", ".join(parent.describe() for parent in parents)
+    reports = f"reported by {named}" if parents else "no Gateway reports on the pool yet"
+    message = f"endpoint picker ready, InferencePool {routing.pool}: {reports}"
+    return ConditionRow("RoutingReady", True, "EndpointPickerReady", message)
+
+
+def _conditions(obs: Observation) -> list[ConditionRow]:
+    """Ready, Progressing, Degraded and, with routing, RoutingReady."""
+    routing = [] if obs.routing is None else [_routing_condition(obs, obs.routing)]
     degraded = obs.problem
     deployment = obs.deployment
     if deployment is None:
         why = degraded or Problem("DeploymentNotFound", "the engine Deployment does not exist")
         return [
-            ("Ready", False, why.reason, why.message),
-            ("Progressing", False, why.reason, why.message),
-            ("Degraded", degraded is not None, why.reason, why.message),
+            ConditionRow("Ready", False, why.reason, why.message),
+            ConditionRow("Progressing", False, why.reason, why.message),
+            ConditionRow("Degraded", degraded is not None, why.reason, why.message),
+            *routing,
         ]
     desired, ready = deployment.desired, deployment.ready
-    degraded = degraded or _deployment_problem(deployment) or _pod_problem(obs.pods)
+    degraded = (
+        degraded
+        or _deployment_problem(deployment)
+        or _pod_problem(obs.pods)
+        or _picker_problem(obs.routing)
+        or _cache_problem(obs.model_cache)
+    )
 
     if ready:
-        ready_condition = ("Ready", True, "ReplicasReady", f"{ready}/{desired} replicas ready")
+        ready_condition = ConditionRow(
+            "Ready", True, "ReplicasReady", f"{ready}/{desired} replicas ready"
+        )
     elif desired == 0:
-        ready_condition = ("Ready", False, "ScaledToZero", "the Deployment has 0 replicas")
+        ready_condition = ConditionRow(
+            "Ready", False, "ScaledToZero", "the Deployment has 0 replicas"
+        )
     else:
-        ready_condition = ("Ready", False, "NoReplicaReady", f"0/{desired} replicas ready")
+        ready_condition = ConditionRow(
+            "Ready", False, "NoReplicaReady", f"0/{desired} replicas ready"
+        )
 
     if obs.problem is not None:
-        progressing = ("Progressing", False, obs.problem.reason, obs.problem.message)
+        progressing = ConditionRow("Progressing", False, obs.problem.reason, obs.problem.message)
     elif deployment.rolled_out:
         message = f"{desired}/{desired} replicas up to date"
-        progressing = ("Progressing", False, "RolloutComplete", message)
+        progressing = ConditionRow("Progressing", False, "RolloutComplete", message)
     else:
         updated, running = deployment.updated, deployment.replicas
         message = f"{updated}/{desired} replicas updated, {ready}/{running} ready"
-        progressing = ("Progressing", True, "RollingOut", message)
+        progressing = ConditionRow("Progressing", True, "RollingOut", message)
 
     if degraded is None:
-        degraded_condition = ("Degraded", False, "AsExpected", "")
+        degraded_condition = ConditionRow("Degraded", False, "AsExpected", "")
     else:
-        degraded_condition = ("Degraded", True, degraded.reason, degraded.message)
-    return [ready_condition, progressing, degraded_condition]
+        degraded_condition = ConditionRow("Degraded", True, degraded.reason, degraded.message)
+    zero = []
+    if obs.scales_to_zero:
+        zero = [_zero_condition(desired, ready, obs.held)]
+    return [ready_condition, progressing, degraded_condition, *routing, *zero]
+
+
+def _routing_status(routing: RoutingObservation) -> dict[str, Any]:
+    parents = [
+        {
+            "parentRef": {
+                "group": parent.group,
+                "kind": parent.kind,
+                "namespace": parent.namespace,
+                "name": parent.name,
+            },
+            "conditions": [
+                {"type": kind, "status": c.status, "reason": c.reason, "message": c.message}
+                for kind, c in parent.conditions
+            ],
+        }
+        for parent in routing.parents or ()
+    ]
+    return {
+        "inferencePool": routing.pool,
+        "endpointPicker": routing.endpoint_picker,
+        "parents": parents,
+    }
+
+
+def _zero_condition(desired: int, ready: int, held: int | None) -> ConditionRow:
+    """True at zero; False ``Waking`` while replicas are wanted and none is ready yet (the
+    picker holds the requests that woke it), False ``Scaled`` once one serves."""
+    if desired == 0:
+        return ConditionRow("ScaledToZero", True, "NoReplicas", "the Deployment has 0 replicas")
+    if ready == 0:
+        count = "requests" if held is None else f"{held} requests"
+        message = f"waking: {desired} replicas starting, {count} held by the endpoint picker"
+        return ConditionRow("ScaledToZero", False, "Waking", message)
+    return ConditionRow("ScaledToZero", False, "Scaled", f"the Deployment has {desired} replicas")
+
+
+def _last_scale(previous: Mapping[str, Any], desired: int, now: str) -> dict[str, Any] | None:
+    """When the Deployment's replica count last changed, from what to what: moved (to ``now``)
+    when ``desired`` differs from the count the previous status recorded."""
+    before = previous.get("desiredReplicas")
+    last: dict[str, Any] | None = (previous.get("autoscaler") or {}).get("lastScale")
+    if before is None or int(before) == desired:
+        return last
+    direction = "Up" if desired > int(before) else "Down"
+    return {"time": now, "from": int(before), "to": desired, "direction": direction}
+
+
+def _autoscaler_status(autoscaler: AutoscalerView) -> dict[str, Any]:
+    status: dict[str, Any] = {"kind": autoscaler.kind, "name": autoscaler.name}
+    if autoscaler.current_replicas is not None:
+        status["currentReplicas"] = autoscaler.current_replicas
+    if autoscaler.desired_replicas is not None:
+        status["desiredReplicas"] = autoscaler.desired_replicas
+    status["conditions"] = [
+        {"type": kind, "status": c.status, "reason": c.reason, "message": c.message}
+        for kind, c in autoscaler.conditions
+    ]
+    return status
 
 
 def build_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
@@ -143,7 +373,7 @@ def build_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dic
             }
         )
     deployment = obs.deployment
-    return {
+    status: dict[str, Any] = {
         "observedGeneration": obs.generation,
         "desiredReplicas": deployment.desired if deployment else 0,
         "replicas": deployment.replicas if deployment else 0,
@@ -153,3 +383,13 @@ def build_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dic
         "selector": obs.selector,
         "conditions": conditions,
     }
+    if obs.routing is not None:
+        status["routing"] = _routing_status(obs.routing)
+    if obs.autoscaler is not None:
+        status["autoscaler"] = _autoscaler_status(obs.autoscaler)
+        last = _last_scale(previous, status["desiredReplicas"], now)
+        if last is not None:
+            status["autoscaler"]["lastScale"] = last
+    if obs.model_cache is not None:
+        status["modelCache"] = _cache_status(obs.model_cache)
+    return status

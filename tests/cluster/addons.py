@@ -21,7 +21,6 @@ Stdlib only (like the launcher), so ``python3 -m tests.cluster up --autoscaling`
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -77,10 +76,7 @@ class AutoscalingStack:
         is shared with tests that need one without KEDA), unregister the APIServices (so the API
         server stops proxying to dead ports), then stop every process. Idempotent."""
         if self._crd_files:
-            kubectl = str(self.cluster.binaries.kubectl)
-            self._kubectl(
-                kubectl, "delete", "--ignore-not-found", "--timeout=120s", *self._crd_files
-            )
+            self.cluster.kubectl("delete", "--ignore-not-found", "--timeout=120s", *self._crd_files)
             self._crd_files.clear()
         for name in reversed(self._registered):
             self.cluster.request("DELETE", f"/apis/apiregistration.k8s.io/v1/apiservices/{name}")
@@ -152,11 +148,10 @@ class AutoscalingStack:
     def start_keda(self) -> None:
         """KEDA's CRDs, its operator and metrics API server, and the external metrics
         APIService; returns once the API server reports that APIService Available."""
-        kubectl = str(self.cluster.binaries.kubectl)
         files = [arg for crd in self.binaries.keda_crds for arg in ("-f", str(crd))]
         self._crd_files = files
-        self._kubectl(kubectl, "apply", "--server-side", *files)
-        self._kubectl(kubectl, "wait", "--for=condition=Established", "--timeout=60s", *files)
+        self.cluster.kubectl("apply", "--server-side", *files)
+        self.cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *files)
         self._ensure_namespace(KEDA_NAMESPACE)
         certs = self._certificates("keda")
         grpc_port = free_port()
@@ -260,8 +255,7 @@ class AutoscalingStack:
         if rendered.returncode != 0:
             raise ClusterError(f"helm template failed:\n{rendered.stderr}")
         self._ensure_namespace(ADAPTER_NAMESPACE)
-        kubectl = str(self.cluster.binaries.kubectl)
-        self._kubectl(kubectl, "apply", "--server-side", "-f", "-", stdin=rendered.stdout)
+        self.cluster.kubectl("apply", "--server-side", "-f", "-", stdin=rendered.stdout)
         path = f"/api/v1/namespaces/{ADAPTER_NAMESPACE}/configmaps/quire-adapter-rules"
         status, config_map = self.cluster.request("GET", path)
         if status != 200:
@@ -321,46 +315,34 @@ class AutoscalingStack:
         body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
         self._create("/api/v1/namespaces", body)
 
-    def _kubectl(self, kubectl: str, *args: str, stdin: str | None = None) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
-        # kubectl's discovery cache goes in the work dir, not in $HOME (or the cwd without one).
-        cache = f"--cache-dir={self.workdir / 'kubectl-cache'}"
-        proc = subprocess.run(
-            [kubectl, cache, *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise ClusterError(f"kubectl {' '.join(args[:2])} failed:\n{proc.stderr}")
-
     def _certificates(self, name: str) -> Path:
-        """A CA and one certificate for 127.0.0.1/localhost usable as server and client (KEDA's
-        operator and adapter authenticate each other over gRPC with mutual TLS): ca.crt,
-        tls.crt, tls.key, the file names KEDA expects in its --cert-dir."""
-        out = self.workdir / f"{name}-certs"
-        out.mkdir()
-        openssl = shutil.which("openssl")
-        if openssl is None:
-            raise ClusterError("the autoscaling stack needs the `openssl` command")
+        return make_certificates(self.workdir / f"{name}-certs", name)
 
-        def run(*args: str) -> None:
-            subprocess.run([openssl, *args], capture_output=True, check=True, cwd=out)
 
-        ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
-        run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "7",
-            "-subj", f"/CN={name}-ca")  # fmt: skip
-        run("req", "-new", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=localhost")
-        (out / "tls.ext").write_text(
-            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-            "extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"
-        )
-        run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "7", "-extfile", "tls.ext", "-out", "tls.crt")  # fmt: skip
-        return out
+def make_certificates(out: Path, name: str) -> Path:
+    """A CA and one certificate for 127.0.0.1/localhost usable as server and client (KEDA's
+    operator and adapter authenticate each other over gRPC with mutual TLS; a webhook server
+    needs a server certificate the API server trusts through ``ca.crt``) in ``out``: ca.crt,
+    tls.crt, tls.key, the file names KEDA and controller-runtime expect in a --cert-dir."""
+    out.mkdir()
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ClusterError(f"{name} needs the `openssl` command for its certificates")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], capture_output=True, check=True, cwd=out)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "7",
+        "-subj", f"/CN={name}-ca")  # fmt: skip
+    run("req", "-new", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=localhost")
+    (out / "tls.ext").write_text(
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"
+    )
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "7", "-extfile", "tls.ext", "-out", "tls.crt")  # fmt: skip
+    return out
 
 
 def _http_ok(url: str) -> bool:

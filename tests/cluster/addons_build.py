@@ -26,9 +26,8 @@ from .build import (
     PROMETHEUS_ADAPTER_VERSION,
     PROMETHEUS_PACKAGE,
     BuildError,
-    GoUnavailable,
     Log,
-    _Builder,
+    _addon_builder,
     _component_dir,
     _locked,
     _stderr,
@@ -98,15 +97,7 @@ def ensure_autoscaling_binaries(log: Log | None = None) -> AutoscalingBinaries:
         if not _adapter_path().is_file():
             needed.append("prometheus-adapter")
         if needed:
-            go = shutil.which("go")
-            if go is None:
-                raise GoUnavailable(
-                    f"{', '.join(needed)} not cached under {cache_root()} and no Go toolchain on "
-                    "PATH to build them; install Go and run `python -m tests.cluster build "
-                    "--autoscaling`"
-                )
-            builder = _Builder(go, say)
-            builder.preflight(needed)
+            builder = _addon_builder(needed, "--autoscaling", say)
             steps = {"keda": builder.keda, "prometheus-adapter": builder.prometheus_adapter}
             for component in needed:
                 steps[component]()

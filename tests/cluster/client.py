@@ -7,6 +7,8 @@ session end); the control plane itself stays owned by the fixture. This module i
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 from collections.abc import Callable
@@ -15,11 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 
 from tests.waiting import wait_until
 
 from .build import Binaries
 from .launcher import ControlPlane
+from .pod_launch import Api
+from .pod_runner import ApiServer
 
 T = TypeVar("T")
 
@@ -104,3 +109,26 @@ def wait_for(
     return wait_until(
         fetch, timeout=timeout_s, interval=interval_s, message=f"waiting for {what}", until=until
     )
+
+
+def rest_api(api: client.ApiClient) -> tuple[Api, ApiServer]:
+    """``api`` in the stdlib shape the pod runner takes (``ControlPlane.request``'s), and the
+    server plus CA that the EPP's kubeconfig needs, for code that holds only a client."""
+    conf = api.configuration
+
+    def request(method: str, path: str, body: Any) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        try:
+            resp = api.rest_client.request(
+                method, conf.host + path, headers=headers, body=body, _request_timeout=10
+            )
+            status, raw = resp.status, resp.read()
+        except ApiException as err:
+            status, raw = err.status, err.body
+        try:
+            return status, json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            return status, raw
+
+    with open(conf.ssl_ca_cert, "rb") as ca:
+        return request, ApiServer(conf.host, base64.b64encode(ca.read()).decode())

@@ -10,6 +10,7 @@ Ownership: a ``ControlPlane`` owns
   store makes startup and writes fast), removed on stop;
 - its log dir (``$TMPDIR/quire-cluster-logs-*``), removed on stop unless ``keep_logs`` is set,
   so the logs of a failed run survive for the person reading the failure;
+- its pod network (``pod_network``: a 127.N.0.0/16 held for it alone), released on stop;
 - the five child processes, stopped in reverse start order on stop (and SIGKILLed by the kernel
   if the Python process itself dies, see ``process._die_with_parent``).
 
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import ssl
+import subprocess
 import tempfile
 import time
 import urllib.error
@@ -33,6 +36,7 @@ from typing import Any
 from .build import Binaries
 from .nodes import KWOK_ANNOTATION_SELECTOR, fake_nodes
 from .pki import make_pki
+from .podnet import PodNetwork
 from .process import (
     ClusterError,
     ManagedProcess,
@@ -48,8 +52,8 @@ _ETCD_PREFIX = "quire-etcd-"
 
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the first address: the `kubernetes` Service's ClusterIP
-# Pod IPs are only status fields written by kwok; nothing routes to them and tests must not try.
-POD_CIDR = "10.244.0.0/16"
+# Pod IPs are loopback addresses, unique per pod and per cluster (``pod_network``, podnet.py): a
+# real process may bind its pod's IP. Service IPs stay virtual: nothing proxies them.
 
 # Controllers the tests and the operator rely on. Node IPAM, volumes and certificates are left
 # out: kwok plays the kubelet and there is no storage or CSR flow to exercise.
@@ -71,7 +75,16 @@ CONTROLLERS = (
     "endpoints-controller",
     "endpointslice-controller",
     "pod-garbage-collector-controller",
+    # Static provisioning: a test's PersistentVolume is bound to the claim that matches it, and
+    # the protection finalizers the API server puts on claims and volumes are removed once
+    # nothing uses them (without these, deleting a namespace with a claim would hang).
+    "persistentvolume-binder-controller",
+    "persistentvolumeclaim-protection-controller",
+    "persistentvolume-protection-controller",
 )
+# kwok's pod-complete Stage ends every Running pod of a Job at once without running anything;
+# it is left out, so a Job's pod ends when whatever runs it reports so (pod_runner.py).
+KWOK_LEFT_OUT_STAGES = ("pod-complete",)
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 # Short so HPA tests see the controller act within seconds (the default is 15s).
 HPA_SYNC_PERIOD = "2s"
@@ -91,6 +104,7 @@ class ControlPlane:
         self.log_dir = Path(tempfile.mkdtemp(prefix="quire-cluster-logs-"))
         self.etcd_dir = claim(Path(tempfile.mkdtemp(prefix=_ETCD_PREFIX, dir=shm or self.workdir)))
         self.kubeconfig = self.workdir / "kubeconfig"
+        self.pod_network = PodNetwork()
         self.processes: list[ManagedProcess] = []
         self.server = ""
         self.startup_s = 0.0
@@ -128,6 +142,7 @@ class ControlPlane:
         for proc in reversed(self.processes):
             proc.stop()
         self.processes.clear()
+        self.pod_network.release()
         shutil.rmtree(self.workdir, ignore_errors=True)
         shutil.rmtree(self.etcd_dir, ignore_errors=True)
         if not keep_logs:
@@ -172,6 +187,24 @@ class ControlPlane:
             return status, json.loads(raw) if raw else None
         except json.JSONDecodeError:
             return status, raw.decode(errors="replace")
+
+    def kubectl(self, *args: str, stdin: str | None = None, timeout_s: float = 120) -> str:
+        """Run the cached kubectl as the admin user; its stdout, or ClusterError on failure."""
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        # kubectl's discovery cache goes in the work dir, not in $HOME (or the cwd without one).
+        cache = f"--cache-dir={self.workdir / 'kubectl-cache'}"
+        proc = subprocess.run(
+            [str(self.binaries.kubectl), cache, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args[:2])} failed:\n{proc.stderr}")
+        return proc.stdout
 
     # -- startup ----------------------------------------------------------------------------
 
@@ -252,17 +285,19 @@ class ControlPlane:
         # --node-ip=127.0.0.1: the API server dials a node's InternalIP for logs/exec; loopback
         # keeps any such call on this machine (it is refused, there is no kubelet).
         self._spawn("kwok", [
-            str(b.kwok), f"--kubeconfig={kubeconfig}", f"--config={b.kwok_stages}",
+            str(b.kwok), f"--kubeconfig={kubeconfig}", f"--config={self._kwok_stages()}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION_SELECTOR}",
-            f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1", "--node-lease-duration-seconds=40",
+            f"--cidr={self.pod_network.default_cidr}", "--node-ip=127.0.0.1",
+            "--node-lease-duration-seconds=40",
         ])  # fmt: skip
 
-        for node in fake_nodes():
+        nodes = fake_nodes([self.pod_network.node_cidr(i) for i in range(len(fake_nodes()))])
+        for node in nodes:
             status, reply = self.request("POST", "/api/v1/nodes", node)
             if status != 201:
                 raise ClusterError(f"creating node {node['metadata']['name']}: {status} {reply}")
-        names = {node["metadata"]["name"] for node in fake_nodes()}
+        names = {node["metadata"]["name"] for node in nodes}
         self._wait("fake nodes Ready and untainted", lambda: self._ready_nodes() >= names)
         # The serviceaccount controller creating `default` proves the controller manager is up;
         # pods cannot be admitted in a namespace before its `default` ServiceAccount exists.
@@ -272,6 +307,17 @@ class ControlPlane:
                 self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
             ),
         )
+
+    def _kwok_stages(self) -> Path:
+        """kwok's Stage configs without KWOK_LEFT_OUT_STAGES, written to the work dir."""
+        documents = self.binaries.kwok_stages.read_text().split("\n---\n")
+        kept = [
+            doc for doc in documents
+            if not any(f"\n  name: {name}\n" in doc for name in KWOK_LEFT_OUT_STAGES)
+        ]  # fmt: skip
+        path = self.workdir / "kwok-stages.yaml"
+        path.write_text("\n---\n".join(kept))
+        return path
 
     def _ready_nodes(self) -> set[str]:
         """Nodes that kwok reports Ready and the node lifecycle controller has untainted."""

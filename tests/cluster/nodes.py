@@ -7,6 +7,7 @@ the ``kwok.x-k8s.io/node: fake`` annotation) then reports them Ready and runs th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -30,8 +31,17 @@ KWOK_ANNOTATION_SELECTOR = f"{KWOK_ANNOTATION}=fake"
 
 
 def _node(
-    name: str, capacity: dict[str, str], labels: dict[str, str], taints: list[dict[str, str]]
+    name: str,
+    capacity: dict[str, str],
+    labels: dict[str, str],
+    taints: list[dict[str, str]],
+    pod_cidr: str | None,
 ) -> dict[str, Any]:
+    # kwok takes each pod's IP from its node's podCIDR (see podnet.py); a kubelet would be given
+    # one by the node IPAM controller, which this cluster does not run.
+    spec: dict[str, Any] = {"taints": taints}
+    if pod_cidr is not None:
+        spec |= {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]}
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -46,15 +56,17 @@ def _node(
                 **labels,
             },
         },
-        "spec": {"taints": taints},
+        "spec": spec,
         # The API server keeps the status given at creation (a kubelet registers this way too);
         # kwok's node-initialize stage then adds conditions and keeps these quantities.
         "status": {"capacity": capacity, "allocatable": capacity},
     }
 
 
-def fake_nodes() -> list[dict[str, Any]]:
-    """One 8-GPU node (labelled and tainted like a real one) and one plain CPU node."""
+def fake_nodes(pod_cidrs: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """One 8-GPU node (labelled and tainted like a real one) and one plain CPU node; the n-th
+    gets ``pod_cidrs[n]`` as its podCIDR when given (else kwok's ``--cidr`` applies)."""
+    cidrs = [*pod_cidrs, None, None]
     gpu = _node(
         GPU_NODE,
         {
@@ -66,11 +78,13 @@ def fake_nodes() -> list[dict[str, Any]]:
         },
         {**GPU_LABELS, "node.kubernetes.io/instance-type": "kwok-gpu-8x"},
         [GPU_TAINT],
+        cidrs[0],
     )
     cpu = _node(
         CPU_NODE,
         {"cpu": "16", "memory": "64Gi", "pods": "110", "ephemeral-storage": "500Gi"},
         {"node.kubernetes.io/instance-type": "kwok-cpu"},
         [],
+        cidrs[1],
     )
     return [gpu, cpu]

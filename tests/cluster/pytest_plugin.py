@@ -11,6 +11,9 @@ control plane. Loaded by ``pytest_plugins`` in the root tests/conftest.py (pytes
 - ``crds`` (session): the repository's CRDs (crds/) applied with kubectl and Established.
 - ``operators`` (function): starts ``quire-operator`` processes (``operator_process.Operators``)
   scoped to the test's namespace by default, and stops them all after the test.
+- ``routing`` (package): the routing add-on (EPP + Envoy, built on first use) and GIE's CRDs
+  installed; a ``tests.cluster.routing.RoutingStack`` that makes pod runners and gateways and
+  stops them, and removes the CRDs, when the package's tests are done.
 
 Policy: locally, a machine without Go (and without cached binaries) skips the cluster tests
 with the reason; under ``CI=true`` the same situation fails them, because CI must never pass
@@ -22,9 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import pytest
 
@@ -32,12 +35,17 @@ from tests.cluster import Binaries, ControlPlane, GoUnavailable, ensure_binaries
 
 if TYPE_CHECKING:
     from tests.cluster.client import ClusterHandle
+    from tests.cluster.routing import RoutingStack
     from tests.operator_tests.operator_process import GarbageCollectorProbe, Operators
+
+T = TypeVar("T")
 
 # The running control plane, so the report hook below can attach its logs to failures.
 _ACTIVE: ControlPlane | None = None
 # The operator processes of the running test, for the same reason.
 _OPERATORS: Operators | None = None
+# The routing stack, whose pods' and gateways' logs go with a failing test's report.
+_ROUTING: RoutingStack | None = None
 
 
 def _in_ci() -> bool:
@@ -143,6 +151,37 @@ def operators(
         _OPERATORS = None
 
 
+def built(request: pytest.FixtureRequest, ensure: Callable[[], T]) -> T:
+    """``ensure()`` (an add-on's build, on first use) with its progress shown; ``unavailable``
+    when it cannot be built."""
+    from tests.cluster.build import BuildError
+
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    show = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    try:
+        with show:
+            return ensure()
+    except BuildError as err:  # GoUnavailable included
+        unavailable(str(err))
+
+
+@pytest.fixture(scope="package")
+def routing(request: pytest.FixtureRequest, cluster: ClusterHandle) -> Iterator[RoutingStack]:
+    global _ROUTING
+    from tests.cluster.routing import RoutingStack
+    from tests.cluster.routing_build import ensure_routing_binaries
+
+    binaries = built(request, ensure_routing_binaries)
+    stack = RoutingStack(cluster.control_plane, binaries)
+    _ROUTING = stack
+    try:
+        stack.install_crds()
+        yield stack
+    finally:
+        _ROUTING = None
+        stack.stop()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Attach the components' log tails to any failing test that used the cluster."""
@@ -153,4 +192,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("control-plane logs", header + _ACTIVE.log_report()))
     if report.failed and _OPERATORS is not None:
         report.sections.append(("operator logs", _OPERATORS.report()))
+    if report.failed and _ROUTING is not None:
+        report.sections.append(("routing logs", _ROUTING.report()))
     return report

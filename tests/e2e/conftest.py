@@ -9,6 +9,9 @@
   ``CI=true``.
 - ``stack`` (package): Prometheus, KEDA and prometheus-adapter on loopback, the adapter running
   the chart's rules as ``helm template`` renders them.
+- ``lws`` (package): the LeaderWorkerSet controller (built from its Go module on first use)
+  running with its webhooks and CRDs (``tests.cluster.lws.LwsStack``); stopped, and its CRDs
+  removed, once the e2e tests are done, so later tests see a cluster without LeaderWorkerSets.
 - ``scenario`` (function): makes ``scaling_scenario.Scenario`` objects with an operator that
   knows the Prometheus address, and closes them (engines, load) after the test.
 """
@@ -25,16 +28,19 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.cluster.build import BuildError, GoUnavailable
-from tests.cluster.pytest_plugin import unavailable
+from tests.cluster.pytest_plugin import built, unavailable
 
 if TYPE_CHECKING:
     from tests.cluster.addons import AutoscalingStack
     from tests.cluster.addons_build import AutoscalingBinaries
     from tests.cluster.client import ClusterHandle
+    from tests.cluster.lws import LwsStack
+    from tests.cluster.routing import RoutingStack
     from tests.e2e.scaling_scenario import Scenario
     from tests.operator_tests.operator_process import Operators
 
 _STACK: AutoscalingStack | None = None
+_LWS: LwsStack | None = None
 _SCENARIOS: list[Scenario] = []
 
 
@@ -72,6 +78,22 @@ def stack(
         started.stop()
 
 
+@pytest.fixture(scope="package")
+def lws(request: pytest.FixtureRequest, cluster: ClusterHandle) -> Iterator[LwsStack]:
+    global _LWS
+    from tests.cluster.lws import LwsStack
+    from tests.cluster.lws_build import ensure_lws_binaries
+
+    started = LwsStack(cluster.control_plane, built(request, ensure_lws_binaries))
+    _LWS = started
+    try:
+        started.start()
+        yield started
+    finally:
+        _LWS = None
+        started.stop()
+
+
 @pytest.fixture
 def scenario(
     cluster: ClusterHandle,
@@ -80,14 +102,17 @@ def scenario(
     operators: Operators,
     tmp_path: Path,
 ) -> Iterator[Callable[..., Scenario]]:
-    """``scenario(name, backend)`` -> a Scenario in this test's namespace, operator running."""
+    """``scenario(name, backend[, routing])`` -> a Scenario in this test's namespace, operator
+    running (routed through an InferencePool when given the ``routing`` stack, which a test
+    must then request before ``scenario``: the operator watches pools only if their CRD is
+    served when it starts)."""
     from tests.e2e.scaling_scenario import Scenario
 
     operators.start("--prometheus-address", stack.prometheus_url)
     made: list[Scenario] = []
 
-    def make(name: str, backend: str) -> Scenario:
-        created = Scenario(cluster, stack, namespace, name, backend, tmp_path)
+    def make(name: str, backend: str, routing: RoutingStack | None = None) -> Scenario:
+        created = Scenario(cluster, stack, namespace, name, backend, tmp_path, routing)
         made.append(created)
         _SCENARIOS.append(created)
         return created
@@ -127,6 +152,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             dead = _STACK.dead_components()
             header = f"dead add-ons: {', '.join(dead)}\n" if dead else ""
             report.sections.append(("autoscaling add-on logs", header + _STACK.log_report()))
+        if _LWS is not None:
+            report.sections.append(("LeaderWorkerSet controller log", _LWS.report()))
         for created in _SCENARIOS:
             errors = "\n".join(
                 created.runner.errors + (created.load.errors[-5:] if created.load else [])

@@ -13,20 +13,28 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import openai
 
 from tests.e2e.pod_runner import Engine
 
 
+class Target(NamedTuple):
+    """Where requests go when that is not an engine (a gateway): its URL and a name for errors."""
+
+    url: str
+    pod: str
+
+
 @dataclass
 class Load:
-    engines: Callable[[], list[Engine]]
+    engines: Callable[[], Sequence[Engine | Target]]
     model: str
     concurrency: int
-    prompt: list[int]
+    prompt: list[int] | str
     max_tokens: int
     max_requests: int
     sent: int = 0

@@ -25,14 +25,15 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.addons import AutoscalingStack
 from tests.cluster.client import ClusterHandle
-from tests.e2e.load import Load
+from tests.cluster.routing import RoutingStack
+from tests.e2e.inference_service import GROUP, PLURAL, VERSION, tiny_inference_service
+from tests.e2e.load import Load, Target
 from tests.e2e.pod_runner import PodRunner
 from tests.waiting import wait_until
 
 logger = logging.getLogger("quire.e2e")
 T = TypeVar("T")
 
-GROUP, VERSION, PLURAL = "quire.dev", "v1alpha1", "inferenceservices"
 OPERATOR = "quire-operator"
 # Short windows so a test sees scale-in within a minute: scale up at once by one pod per
 # second, scale down one pod per 2 s after 10 quiet seconds (the CRD's defaults: 10 min / 2 min).
@@ -94,6 +95,7 @@ class Scenario:
     name: str
     backend: str  # "keda" or "hpa"
     log_dir: Path
+    routing: RoutingStack | None = None  # given: routed through an InferencePool
     timeline: Timeline = field(init=False)
     runner: PodRunner = field(init=False)
     load: Load | None = None
@@ -110,7 +112,12 @@ class Scenario:
             self.stack.targets_file,
             self.log_dir,
             on_event=self.timeline.mark,
+            epp_binary=self.routing.binaries.epp if self.routing else None,
         )
+
+    @property
+    def routed(self) -> bool:
+        return self.routing is not None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -122,34 +129,37 @@ class Scenario:
         num_blocks: int,
         max_model_len: int = 256,
         max_replicas: int = 2,
+        min_replicas: int = 1,
+        keda: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
-        """The InferenceService (tiny model on CPU), then the pod runner and the watcher."""
+        """The InferenceService (tiny model on CPU), then the pod runner and the watcher; waits
+        for the first engine unless ``min_replicas`` is 0. ``targets`` and ``extra`` go into
+        ``spec.autoscaling``, ``keda`` into its ``keda`` settings."""
         autoscaling: dict[str, Any] = {
             "enabled": True,
             "backend": self.backend,
-            "minReplicas": 1,
+            "minReplicas": min_replicas,
             "maxReplicas": max_replicas,
             "behavior": FAST_BEHAVIOR,
             **targets,
+            **(extra or {}),
         }
         if self.backend == "keda":
-            autoscaling["keda"] = {"serverAddress": self.stack.prometheus_url, "pollingInterval": 1}
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "InferenceService",
-            "metadata": {"name": self.name, "namespace": self.namespace},
-            "spec": {
-                "model": {"uri": "tiny"},
-                "engine": {
-                    "dtype": "float32",
-                    "maxNumSeqs": max_num_seqs,
-                    "maxModelLen": max_model_len,
-                    "extraArgs": ["--num-blocks", str(num_blocks)],
-                },
-                "resources": {"gpus": 0, "requests": {"cpu": "100m", "memory": "256Mi"}},
-                "autoscaling": autoscaling,
-            },
-        }
+            autoscaling["keda"] = {
+                "serverAddress": self.stack.prometheus_url,
+                "pollingInterval": 1,
+                **(keda or {}),
+            }
+        routing: dict[str, Any] = {"routing": {"mode": "InferencePool"}} if self.routed else {}
+        body = tiny_inference_service(
+            self.name,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            autoscaling=autoscaling,
+            **routing,
+        )
         self.cluster.custom.create_namespaced_custom_object(
             GROUP, VERSION, self.namespace, PLURAL, body
         )
@@ -157,6 +167,8 @@ class Scenario:
         self.runner.start()
         self._watcher = threading.Thread(target=self._watch_replicas_owner, daemon=True)
         self._watcher.start()
+        if min_replicas == 0:
+            return
         poll(
             "the first engine ready",
             lambda: len(self.runner.engines()),
@@ -250,13 +262,27 @@ class Scenario:
     # -- load -------------------------------------------------------------------------------
 
     def start_load(
-        self, *, concurrency: int, prompt_len: int, max_tokens: int, max_requests: int = 1000
+        self,
+        *,
+        concurrency: int,
+        prompt_len: int,
+        max_tokens: int,
+        max_requests: int = 1000,
+        through: str | None = None,
     ) -> Load:
+        """Closed-loop load round-robin over the ready engines, or all of it ``through`` one URL
+        (a gateway)."""
+        gateway = [Target(through, "gateway")] if through else None
+        # Token ids straight to engines; text through a gateway, as the Endpoint Picker (GIE
+        # v1.5.0) reads a completion's prompt as a string and refuses token-id prompts.
+        prompt: list[int] | str = [(7 * i + 3) % 250 + 1 for i in range(prompt_len)]
+        if through:
+            prompt = "".join(chr(33 + (7 * i + 3) % 94) for i in range(prompt_len - 1))
         self.load = Load(
-            self.runner.engines,
+            (lambda: gateway) if gateway else self.runner.engines,
             self.name,
             concurrency,
-            [(7 * i + 3) % 250 + 1 for i in range(prompt_len)],
+            prompt,
             max_tokens,
             max_requests,
         )

@@ -18,7 +18,8 @@ import pytest
 from quire_engine.core.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from tests.engine_tests.live_server import RunningServer
+    from tests.engine_tests.live_server import EngineHolder, RunningServer
+    from tests.engine_tests.vllm_workload import Workload
 
 _live_pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
 
@@ -66,3 +67,27 @@ def server() -> Iterator[RunningServer]:
 
     with serve(tiny_settings()) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def vllm_workload() -> Iterator[Workload]:
+    """The deterministic workload of ``vllm_workload`` on its own server, run once; the server
+    stays up (idle) for the tests that read it."""
+    from tests.engine_tests.vllm_workload import run_workload
+
+    with run_workload() as workload:
+        yield workload
+
+
+@pytest.fixture
+def holder() -> EngineHolder:
+    """An engine factory that keeps the engines it built (a test reaches their internals)."""
+    from tests.engine_tests.live_server import EngineHolder
+
+    return EngineHolder()
+
+
+@pytest.fixture
+def deaths() -> list[bool]:
+    """Appended to by a server's ``on_engine_death``."""
+    return []

@@ -95,7 +95,11 @@ def reference_beam_search(
     return beams
 
 
-def test_narrow_beam_matches_reference_and_shares_blocks(tmp_path: Path) -> None:
+# TP=2: the ranks share one plan, so beams fork and share blocks on every rank alike.
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_narrow_beam_matches_reference_and_shares_blocks(
+    tmp_path: Path, tensor_parallel_size: int
+) -> None:
     path = tiny_vocab_model(tmp_path / "m", 10)
     model = LlamaForCausalLM.from_pretrained(path).eval()
     expected = reference_beam_search(model, width=3, length=7)
@@ -107,6 +111,7 @@ def test_narrow_beam_matches_reference_and_shares_blocks(tmp_path: Path) -> None
         num_blocks=64,
         max_model_len=64,
         enable_prefix_caching=False,
+        tensor_parallel_size=tensor_parallel_size,
     )
     engine = llm.engine
     from quire_engine.core.sampling_params import SamplingParams
@@ -128,6 +133,7 @@ def test_narrow_beam_matches_reference_and_shares_blocks(tmp_path: Path) -> None
         assert out.cumulative_logprob == pytest.approx(score, abs=SCORE_TOLERANCE)
     assert shared_seen >= 1  # beams shared the prompt's full block through fork
     assert llm.kv_cache_stats().used == 0
+    llm.close()
 
 
 def test_beam_width_must_be_positive() -> None:

@@ -32,6 +32,14 @@ def _load(name: str = "ab") -> ModuleType:
     return module
 
 
+def test_rates_are_better_higher_and_times_lower() -> None:
+    ab = _load()
+    rates = ["quire_tok_s", "x.output_tokens_per_cpu_s", "ratio_vs_offline", "throughput"]
+    measures = ["tiny.ready.median_s", "duration_s", "step_us_p50", "peak_mib", "server_cpu_s"]
+    assert [ab.higher_is_better(k) for k in rates] == [True] * len(rates)
+    assert [ab.higher_is_better(k) for k in measures] == [False] * len(measures)
+
+
 def test_summary_keeps_the_best_in_the_right_direction() -> None:
     ab = _load()
     runs = [

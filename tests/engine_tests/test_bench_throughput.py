@@ -56,3 +56,19 @@ def test_throughput_bench_small(capsys: object) -> None:
     assert out["quire_prefix_hit_tokens"] == 0
     profile = out["quire_profile"]
     assert profile["prefix_hit_tokens"] == 0 and profile["steps"] == floor["steps"]
+
+
+def test_throughput_bench_tensor_parallel(capsys: object) -> None:
+    """``--tensor-parallel-size 2`` adds the sharded run of the same requests and its split."""
+    args = [
+        "bench", "throughput", "--json", "--systems", "quire", "--tensor-parallel-size", "2",
+        "--num-requests", "4", "--mean-prompt", "24", "--mean-output", "4",
+        "--max-model-len", "64", "--budget-seqs", "2", "--hidden-size", "64", "--layers", "1",
+        "--vocab-size", "300",
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[attr-defined]
+    tp = out["tensor_parallel"]
+    assert tp["size"] == 2 and tp["steps"] > 0 and tp["tok_s"] > 0
+    for key in ("speedup_vs_tp1", "collective_share", "plan_send_share", "plan_send_us_per_step"):
+        assert tp[key] > 0, key

@@ -11,7 +11,8 @@ import pytest
 from quire_engine.core.config import CacheConfig, SchedulerConfig
 from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, Scheduler, kv_demand_blocks
 from quire_engine.core.sequence import Sequence, SequenceStatus
-from quire_engine.engine.metrics import ServerMetrics, StatsRecorder
+from quire_engine.engine.metrics import EngineFacts, ServerMetrics
+from quire_engine.engine.recorder import StatsRecorder
 
 
 def make(num_blocks: int = 16, *, max_model_len: int = 128, max_num_seqs: int = 8) -> Scheduler:
@@ -108,7 +109,8 @@ def test_preempted_request_counts_in_full_again() -> None:
 def test_gauge_exports_demand_over_pool_size() -> None:
     sched = make()
     metrics = ServerMetrics("m")
-    recorder = StatsRecorder(metrics, sched.stats())
+    facts = EngineFacts(sched.config.max_model_len, sched.cache_config, 0.9, 0.0)
+    recorder = StatsRecorder(metrics, sched.stats(), facts)
 
     def sample(name: str) -> float | None:
         return metrics.registry.get_sample_value(name, {"model_name": "m"})

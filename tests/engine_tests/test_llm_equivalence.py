@@ -121,7 +121,12 @@ def test_supported_architectures_are_the_tested_ones() -> None:
 
 @pytest.mark.parametrize(("arch", "variant"), _matrix())
 def test_greedy_matches_transformers(arch: str, variant: str, model_dirs: dict[str, Path]) -> None:
-    model_dir = str(model_dirs[arch])
+    check_greedy(str(model_dirs[arch]), arch, variant)
+
+
+def check_greedy(model_dir: str, arch: str, variant: str, **engine_args: object) -> None:
+    """Run ``variant`` of the matrix on ``arch`` (with ``engine_args`` on top, e.g. a tensor
+    parallel size) and check it against transformers' greedy path."""
     reference = hf_reference(model_dir)
     # The reference must be diverse, or a broken kernel could pass by repeating one token.
     assert sum(len(set(path.tokens)) for path in reference) > 8 * len(reference)
@@ -130,9 +135,9 @@ def test_greedy_matches_transformers(arch: str, variant: str, model_dirs: dict[s
     if "preemption_mode" in kwargs and arch in ALL_LAYERS_SLIDING:
         # Released blocks leave room: 11 blocks (one 88-token request's worth) must preempt.
         kwargs |= {"num_blocks": 11, "max_model_len": 88}
-    llm = LLM(model_dir, device="cpu", max_num_seqs=16, **kwargs)  # type: ignore[arg-type]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    results = llm.generate(prompts(), params)
+    with LLM(model_dir, device="cpu", max_num_seqs=16, **kwargs, **engine_args) as llm:  # type: ignore[arg-type]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+        results = llm.generate(prompts(), params)
 
     for i, (ref, result) in enumerate(zip(reference, results, strict=True)):
         out = result.outputs[0]

@@ -1,6 +1,7 @@
 """``BatchHistogram`` is exposed exactly like ``prometheus_client.Histogram`` fed the same
 observations one by one (bucket counts, ``le`` labels, count; the sum within float rounding),
-including values that sit exactly on a bucket bound (``le`` is inclusive). ``GcPauses`` observes
+including values that sit exactly on a bucket bound (``le`` is inclusive), under each of its
+exposures with that exposure's own buckets. ``GcPauses`` observes
 each collection in its generation's series and stops observing once closed."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from quire_engine.engine.metrics import ITL_BUCKETS, BatchHistogram, GcPauses
+from quire_engine.engine.histogram import BatchHistogram, Exposure
+from quire_engine.engine.metrics import ITL_BUCKETS, TTFT_BUCKETS, GcPauses
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
@@ -31,13 +33,25 @@ def test_batch_histogram_matches_the_client_histogram() -> None:
 
     plain_reg, batch_reg = CollectorRegistry(), CollectorRegistry()
     plain = Histogram("lat_seconds", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=plain_reg)
-    batch = BatchHistogram("lat_seconds", "doc", ITL_BUCKETS, "m", batch_reg)
-    for step in steps:
+    other = Histogram("b:lat_seconds", "doc", ["m", "e"], buckets=TTFT_BUCKETS, registry=plain_reg)
+    batch = BatchHistogram(
+        [
+            Exposure("lat_seconds", "doc", ITL_BUCKETS, (("model_name", "m"),)),
+            Exposure("b:lat_seconds", "doc", TTFT_BUCKETS, (("m", "m"), ("e", "0"))),
+        ],
+        batch_reg,
+    )
+    for k, step in enumerate(steps):
         counts: dict[float, int] = {}
         for v in step:
             plain.labels("m").observe(v)
+            other.labels("m", "0").observe(v)
             counts[v] = counts.get(v, 0) + 1
-        batch.observe_many(counts)
+        if k % 2:
+            batch.observe_many(counts)
+        else:
+            for v in step:
+                batch.observe(v)
 
     want, got = samples(plain_reg), samples(batch_reg)
     assert set(got) == set(want)
@@ -46,7 +60,19 @@ def test_batch_histogram_matches_the_client_histogram() -> None:
             assert got[key] == pytest.approx(value, rel=1e-12)
         else:
             assert got[key] == value, key
-    assert got[("lat_seconds_count", "")] == len(values)
+    assert got[("lat_seconds_count", "")] == got[("b:lat_seconds_count", "")] == len(values)
+
+
+def test_bounds_given_later_only_before_the_first_observation() -> None:
+    registry = CollectorRegistry()
+    batch = BatchHistogram([Exposure("tokens", "doc", (), (("model_name", "m"),))], registry)
+    assert registry.get_sample_value("tokens_bucket", {"model_name": "m", "le": "+Inf"}) == 0
+    batch.set_bounds((1.0, 2.0, 5.0))
+    batch.observe(2)
+    assert registry.get_sample_value("tokens_bucket", {"model_name": "m", "le": "2.0"}) == 1
+    assert registry.get_sample_value("tokens_bucket", {"model_name": "m", "le": "1.0"}) == 0
+    with pytest.raises(RuntimeError, match="before the first observation"):
+        batch.set_bounds((1.0,))
 
 
 def test_gc_pauses_are_observed_by_generation_until_closed() -> None:

@@ -161,6 +161,22 @@ def test_preemption_victim_is_newest_and_oldest_progresses() -> None:
     assert a.finish_reason == b.finish_reason == "length"
 
 
+def test_only_the_first_schedule_is_a_prefix_lookup() -> None:
+    # A recompute victim finds its own blocks again when it is rescheduled: counting that as a
+    # hit would inflate the hit rate exactly when the server is overloaded (vLLM leaves it out).
+    sched = make(num_blocks=6, max_num_batched_tokens=64)
+    a = Sequence("a", [1] * 8, max_tokens=12)
+    b = Sequence("b", [2] * 8, max_tokens=12)
+    sched.add(a)
+    sched.add(b)
+    assert a.num_cached_tokens == b.num_cached_tokens == -1  # not scheduled yet
+    outs = run_all(sched)
+    assert [s.seq_id for o in outs for s in o.preempted] == ["b"]
+    assert sched.kv.prefix_queries == 8 + 8 and sched.kv.prefix_hits == 0
+    assert a.num_cached_tokens == b.num_cached_tokens == 0
+    assert b.fork("b/1").num_cached_tokens == 0  # a fork never looks up
+
+
 def test_swap_falls_back_to_recompute_without_cpu_space() -> None:
     sched = make(num_blocks=6, mode="swap", num_cpu_blocks=0)
     for name in "ab":

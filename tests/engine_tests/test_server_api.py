@@ -50,6 +50,23 @@ def test_completion_shape_and_usage(server: RunningServer) -> None:
     assert usage.completion_tokens == 5 and usage.total_tokens == usage.prompt_tokens + 5
 
 
+def test_the_request_id_header_names_the_request_as_vllm_does(server: RunningServer) -> None:
+    api = server.client()
+    named = api.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1, extra_headers={"X-Request-Id": "gw-1"}
+    )
+    assert named.id == "cmpl-gw-1"
+    # The header wins over the body's field, as in vLLM.
+    both = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1,
+        extra_headers={"X-Request-Id": "gw-2"},
+        extra_body={"request_id": "body-2"},
+    )
+    assert both.id == "chatcmpl-gw-2"
+
+
 def test_streaming_arrives_in_chunks_and_ends_with_usage() -> None:
     """A chunk per engine step that adds text. Outputs are cumulative and a client slower than
     the engine gets bigger deltas (async_engine), so how many chunks arrive depends on the two

@@ -81,7 +81,8 @@ def test_help_names_the_variable_of_every_flag(capsys: pytest.CaptureFixture[str
     flags = set(re.findall(r"--[a-z][a-z-]*", text)) - {"--help"}
     assert len(flags) > 20
     for flag in flags:
-        assert env_name(flag.removeprefix("--no")) in text, flag
+        # --no-X is X's negation; --node-rank is a flag of its own
+        assert env_name(re.sub(r"^--no-", "--", flag)) in text, flag
 
 
 @pytest.mark.parametrize(
@@ -112,6 +113,17 @@ def test_values_the_engine_would_refuse_fail_before_serving() -> None:
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         settings_from_args(parse_serve("--block-size", "12"))
     assert cli.main(["serve", "--max-num-seqs", "0"]) == 2
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs a tool_call_parser"):
+        settings_from_args(parse_serve("--enable-auto-tool-choice"))
+
+
+def test_tool_and_reasoning_parsers() -> None:
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    settings = settings_from_args(parse_serve(*flags, "--reasoning-parser", "deepseek_r1"))
+    assert settings.tools.enable_auto and settings.tools.parser == "llama3_json"
+    assert settings.reasoning_parser == "deepseek_r1"
+    plain = settings_from_args(parse_serve())
+    assert plain.tools.parser is None and plain.reasoning_parser is None
 
 
 def test_sizes() -> None:

@@ -94,16 +94,6 @@ def test_a_sampling_fault_fails_only_its_request(
     still_serving(server)
 
 
-@pytest.fixture
-def holder() -> EngineHolder:
-    return EngineHolder()
-
-
-@pytest.fixture
-def deaths() -> list[bool]:
-    return []
-
-
 def in_flight(url: str) -> Callable[[], list[tuple[int, Any]]]:
     """Start 4 streams and 2 plain requests that run for a long time; returns a join function."""
     bodies = [{**LONG, "stream": True}] * 4 + [LONG] * 2

@@ -20,6 +20,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from quire_engine.server.reasoning import ReasoningParserName
+from quire_engine.server.tool_choice import ToolSettings
+from quire_engine.server.tool_parsers import ToolParserName
 from tests.engine_tests.live_server import RunningServer, serve, sse_payloads, tiny_settings
 from tests.engine_tests.test_server_errors import still_serving
 
@@ -34,19 +37,59 @@ JSON_VALUES = st.recursive(
 )
 # Fields the server rejects whenever they are set (left out of the sane bodies).
 UNSUPPORTED = frozenset(
-    {"echo", "suffix", "logit_bias", "tools", "response_format", "best_of", "stream_options"}
+    {"suffix", "response_format", "structured_outputs", "best_of", "stream_options"}
+)
+PARAMETERS = st.sampled_from(
+    [
+        None,
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"enum": ["x", "y"]}}},
+    ]
+)
+TOOLS = st.lists(
+    st.builds(
+        lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+        st.sampled_from(["f", "g"]),
+        PARAMETERS,
+    ),
+    max_size=2,
+)
+# Renders tools (tersely: the fuzzed server's context is 24 tokens).
+FUZZ_TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}{{ tools|length }}{% endif %}"
 )
 # Fields whose schema type is too loose to reach the interesting cases often.
 HINTS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.sampled_from([None, "tiny", "tiny", "gpt-5"]),
     "prompt": st.text(max_size=12) | st.lists(st.integers(-2, 400), max_size=6),
+    "tools": st.none() | TOOLS,
+    "tool_choice": st.sampled_from(
+        [
+            None,
+            "none",
+            "auto",
+            "required",
+            "sometimes",
+            {"type": "function", "function": {"name": "f"}},
+        ]
+    ),
+    "chat_template_kwargs": st.sampled_from(
+        [None, {"enable_thinking": False}, {"enable_thinking": True}, {"tools": []}]
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def fuzzed() -> Iterator[RunningServer]:
     # A short context and few sequences bound the work any one valid request can ask for.
-    with serve(tiny_settings({"max_model_len": 24, "max_num_seqs": 4, "num_blocks": 64})) as srv:
+    # Tool calling (auto with the Hermes parser) and the reasoning parser are on.
+    engine = {"max_model_len": 24, "max_num_seqs": 4, "num_blocks": 64}
+    settings = tiny_settings(
+        engine | {"chat_template": FUZZ_TEMPLATE},
+        tools=ToolSettings(True, ToolParserName.HERMES),
+        reasoning_parser=ReasoningParserName.QWEN3,
+    )
+    with serve(settings) as srv:
         yield srv
 
 

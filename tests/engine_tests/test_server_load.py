@@ -115,7 +115,7 @@ def test_tiny_pool_preempts_and_still_matches_offline(
         }
     )
     prompts = [f"{i}: preempt me" for i in range(4)]
-    with serve(settings) as tiny, caplog.at_level(logging.WARNING, "quire_engine.engine.metrics"):
+    with serve(settings) as tiny, caplog.at_level(logging.WARNING, "quire_engine.engine.recorder"):
         texts = asyncio.run(stream_all(tiny, prompts, 32))
         after = tiny.wait_until_idle()
     assert after[("quire_preemptions_total", (("mode", mode),))] > 0

@@ -119,6 +119,20 @@ def ready(cluster: ClusterHandle, namespace: str, generation: int = 1, name: str
     )
 
 
+def wait_condition(
+    cluster: ClusterHandle, namespace: str, kind: str, timeout_s: float = 30, **wanted: str
+) -> Any:
+    """Wait until the InferenceService's condition ``kind`` has the ``wanted`` fields (e.g.
+    ``reason="NotOwned"``); returns the object."""
+    described = ", ".join(f"{key}={value}" for key, value in wanted.items())
+    return wait_for(
+        f"{kind} with {described}",
+        lambda: get_isvc(cluster, namespace),
+        lambda obj: all(condition(obj, kind).get(key) == v for key, v in wanted.items()),
+        timeout_s=timeout_s,
+    )
+
+
 def create_example(cluster: ClusterHandle, namespace: str) -> Any:
     create_isvc(cluster, namespace, load_example())
     return ready(cluster, namespace)

@@ -23,6 +23,8 @@ from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
 from tests.waiting import wait_until
 
+OPERATOR_SOURCE = Path(__file__).resolve().parents[2] / "operator"
+
 
 class OperatorProcess:
     def __init__(self, name: str, cluster: ClusterHandle, args: list[str], log_path: Path) -> None:
@@ -32,8 +34,11 @@ class OperatorProcess:
         env = shutil.which("env") or "/usr/bin/env"
         argv = [
             # KUBECONFIG for this child only; `env` execs in place, so the pid stays the same.
+            # PYTHONPATH: this checkout's operator, whatever the interpreter has installed (an
+            # editable install may point at another checkout).
             env,
             f"KUBECONFIG={cluster.kubeconfig}",
+            f"PYTHONPATH={OPERATOR_SOURCE}",
             sys.executable,
             "-m",
             "quire_operator",

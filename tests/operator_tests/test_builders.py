@@ -109,7 +109,8 @@ def test_example_deployment_is_exactly_this() -> None:
             "progressDeadlineSeconds": 3600,
             "template": {
                 "metadata": {
-                    "labels": LABELS,
+                    # The engine-type label picks the vLLM metric names in GIE's Endpoint Picker.
+                    "labels": {**LABELS, "inference.networking.k8s.io/engine-type": "vllm"},
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": "8000",

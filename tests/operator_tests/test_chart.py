@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,9 @@ import yaml
 
 from quire_engine.engine.metrics import ServerMetrics
 from quire_operator import meta
+from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
 from quire_operator.deployment import PORT_NAME
+from quire_operator.endpoint_picker import METRICS_PORT, build_epp_deployment
 from quire_operator.objects import (
     KV_CACHE_METRIC,
     KV_DEMAND_METRIC,
@@ -35,6 +39,15 @@ from quire_operator.objects import (
 from quire_operator.settings import operator_settings
 from tests.cluster.build import K8S_VERSION, Binaries
 from tests.cluster.client import ClusterHandle, wait_for
+from tests.cluster.pytest_plugin import unavailable
+from tests.operator_tests.gie import (
+    POOL_CRD,
+    POOL_CRD_FILE,
+    apply_crds,
+    go_module_dir,
+    install_gateway_api_crds,
+)
+from tests.operator_tests.test_routing_builders import routed
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "quire"
@@ -68,6 +81,20 @@ def test_chart_crds_are_byte_copies_of_the_top_level_crds() -> None:
     assert chart.keys() == top.keys(), "charts/quire/crds/ must hold exactly the CRDs of crds/"
     stale = sorted(name for name in top if chart[name] != top[name])
     assert not stale, f"charts/quire/crds/ differs from crds/ in {stale}: cp crds/*.yaml there"
+
+
+def test_chart_pool_crd_and_picker_image_are_the_operators_gie_release() -> None:
+    # One GIE release everywhere: the operator's constant, the CRD the chart installs (GIE stamps
+    # its release into every CRD it ships) and the Endpoint Picker image the chart passes.
+    crd = yaml.safe_load(POOL_CRD_FILE.read_text())
+    assert crd["metadata"]["name"] == POOL_CRD
+    assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == (
+        GIE_VERSION
+    )
+    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["routing"] == {"eppImage": DEFAULT_EPP_IMAGE, "installCRDs": True}
+    assert DEFAULT_EPP_IMAGE.endswith(f"/epp:{GIE_VERSION}")
 
 
 def test_operator_needs_no_cluster_scans() -> None:
@@ -336,6 +363,7 @@ def test_default_render_is_accepted_by_the_api_server(
         ("ClusterRoleBinding", operator),
         ("ConfigMap", f"{RELEASE}-adapter-rules"),
         ("ConfigMap", f"{RELEASE}-dashboard"),
+        ("CustomResourceDefinition", POOL_CRD),
         ("Deployment", operator),
         ("ServiceAccount", operator),
     ]
@@ -346,6 +374,7 @@ def test_default_render_is_accepted_by_the_api_server(
             f"clusterrolebinding.rbac.authorization.k8s.io/{operator}",
             f"configmap/{RELEASE}-adapter-rules",
             f"configmap/{RELEASE}-dashboard",
+            f"customresourcedefinition.apiextensions.k8s.io/{POOL_CRD}",
             f"deployment.apps/{operator}",
             f"serviceaccount/{operator}",
         ]
@@ -369,6 +398,7 @@ def test_default_render_is_accepted_by_the_api_server(
     }
     assert container["image"] == "quire-operator:0.1.0"
     assert "--engine-image=quire-engine:0.1.0" in container["args"]
+    assert f"--epp-image={DEFAULT_EPP_IMAGE}" in container["args"]
 
 
 @pytest.fixture(scope="module")
@@ -378,33 +408,12 @@ def monitoring_crds(
     """The Prometheus Operator's PodMonitor and ServiceMonitor CRDs, installed for this module's
     tests and removed afterwards."""
     module, version = PROMETHEUS_OPERATOR
-    work = tmp_path_factory.mktemp("gomod")
-    try:
-        proc = subprocess.run(
-            ["go", "mod", "download", "-json", f"{module}@{version}"],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-    except FileNotFoundError:
-        reason = "no `go` on PATH to fetch the Prometheus Operator CRDs"
-        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-            pytest.fail(reason)
-        pytest.skip(reason)
-    assert proc.returncode == 0, proc.stderr
-    crd_dir = Path(json.loads(proc.stdout)["Dir"]) / "example" / "prometheus-operator-crd"
-    files = [crd_dir / f"monitoring.coreos.com_{plural}.yaml" for plural in MONITOR_CRDS]
-    # Server-side apply: these CRDs exceed client-side apply's annotation size limit.
-    args = ["apply", "--server-side"] + [f"--filename={f}" for f in files]
-    applied = cluster.kubectl(*args)
-    assert applied.returncode == 0, applied.stderr
-    for plural in MONITOR_CRDS:
-        waited = cluster.kubectl(
-            "wait", "--for=condition=Established", f"crd/{plural}.monitoring.coreos.com"
-        )
-        assert waited.returncode == 0, waited.stderr
+    crd_dir = go_module_dir(module, version, tmp_path_factory.mktemp("gomod"))
+    files = [
+        crd_dir / "example" / "prometheus-operator-crd" / f"monitoring.coreos.com_{plural}.yaml"
+        for plural in MONITOR_CRDS
+    ]
+    apply_crds(cluster, files, [f"{plural}.monitoring.coreos.com" for plural in MONITOR_CRDS])
     try:
         yield
     finally:
@@ -426,6 +435,7 @@ def test_full_values_render_is_accepted_by_the_api_server(
         ("ConfigMap", f"{RELEASE}-adapter-rules"),
         ("ConfigMap", f"{RELEASE}-dashboard"),
         ("Deployment", operator),
+        ("PodMonitor", f"{RELEASE}-endpoint-picker"),
         ("PodMonitor", f"{RELEASE}-engine"),
         ("Role", operator),
         ("RoleBinding", operator),
@@ -438,11 +448,12 @@ def test_full_values_render_is_accepted_by_the_api_server(
     assert len(accepted) == len(docs)
     assert f"podmonitor.monitoring.coreos.com/{RELEASE}-engine" in accepted
 
-    by_kind = {d["kind"]: d for d in docs}
+    by_kind = {d["kind"]: d for d in docs if not d["metadata"]["name"].endswith("-picker")}
     (container,) = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert container["args"] == [
         f"--namespace={namespace}",
         "--engine-image=registry.example.com/quire/quire-engine:0.1.0-cu128",
+        "--epp-image=registry.example.com/mirror/gateway-api-inference-extension/epp:v1.5.0",
         "--cluster-domain=cluster.example",
         "--liveness=http://0.0.0.0:9090/healthz",
         f"--peering={operator}",
@@ -463,6 +474,29 @@ def test_full_values_render_is_accepted_by_the_api_server(
 
 
 @pytest.mark.cluster
+def test_chart_pool_crd_is_a_byte_copy_of_the_go_modules_file() -> None:
+    # tools/sync_gie_crd.py --check fetches GIE_VERSION's module through the Go module proxy.
+    if shutil.which("go") is None:
+        unavailable("no `go` on PATH to fetch the Gateway API Inference Extension module")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "sync_gie_crd.py"), "--check"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.cluster
+def test_pool_crd_renders_as_the_modules_file_kept_on_uninstall(binaries: Binaries) -> None:
+    (crd,) = [d for d in render(binaries, NAMESPACE) if d["kind"] == "CustomResourceDefinition"]
+    wanted = yaml.safe_load(POOL_CRD_FILE.read_text())
+    # The only addition: helm uninstall must never delete the CRD (and every InferencePool).
+    wanted["metadata"]["annotations"]["helm.sh/resource-policy"] = "keep"
+    assert crd == wanted
+    off = render(binaries, NAMESPACE, "--set", "routing.installCRDs=false")
+    assert [d for d in off if d["kind"] == "CustomResourceDefinition"] == []
+
+
+@pytest.mark.cluster
 def test_monitors_render_only_when_the_api_exists_or_asked(binaries: Binaries) -> None:
     monitoring = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
 
@@ -472,9 +506,10 @@ def test_monitors_render_only_when_the_api_exists_or_asked(binaries: Binaries) -
         )
 
     assert monitor_kinds() == []
-    assert monitor_kinds(*monitoring) == ["PodMonitor"]
+    # Two PodMonitors: the engines' and the Endpoint Pickers'.
+    assert monitor_kinds(*monitoring) == ["PodMonitor"] * 2
     assert monitor_kinds(*monitoring, "--set", "monitoring.podMonitor.enabled=false") == []
-    assert monitor_kinds("--set", "monitoring.podMonitor.enabled=true") == ["PodMonitor"]
+    assert monitor_kinds("--set", "monitoring.podMonitor.enabled=true") == ["PodMonitor"] * 2
     assert monitor_kinds("--set", "monitoring.serviceMonitor.enabled=true") == ["ServiceMonitor"]
 
 
@@ -544,9 +579,8 @@ def test_adapter_rules_serve_exactly_the_metrics_the_operator_hpas_use(
 @pytest.mark.cluster
 def test_monitors_select_the_engine_pods_the_operator_makes(binaries: Binaries) -> None:
     both = [f"--set=monitoring.{kind}.enabled=true" for kind in ("podMonitor", "serviceMonitor")]
-    monitors = {
-        d["kind"]: d["spec"] for d in render(binaries, NAMESPACE, *both) if "Monitor" in d["kind"]
-    }
+    docs = render(binaries, NAMESPACE, *both)
+    monitors = {d["kind"]: d["spec"] for d in docs if d["metadata"]["name"] == f"{RELEASE}-engine"}
     engine_labels = meta.labels("any-service")
     for kind, endpoints in (("PodMonitor", "podMetricsEndpoints"), ("ServiceMonitor", "endpoints")):
         selector = monitors[kind]["selector"]["matchLabels"]
@@ -555,6 +589,20 @@ def test_monitors_select_the_engine_pods_the_operator_makes(binaries: Binaries) 
         assert selector[meta.MANAGED_BY_LABEL] == meta.FIELD_MANAGER
         assert monitors[kind]["namespaceSelector"] == {"any": True}
         assert [e["port"] for e in monitors[kind][endpoints]] == [PORT_NAME]
+    (picker,) = [d["spec"] for d in docs if d["metadata"]["name"] == f"{RELEASE}-endpoint-picker"]
+    # Every Endpoint Picker pod carries these labels, and no engine pod does.
+    picker_pod = build_epp_deployment(routed(), OperatorConfig())["spec"]["template"]
+    selector = picker["selector"]["matchLabels"]
+    assert selector.items() <= picker_pod["metadata"]["labels"].items()
+    assert not selector.items() <= engine_labels.items()
+    assert picker["namespaceSelector"] == {"any": True}
+    assert picker["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    ]
+    (container,) = picker_pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == METRICS_PORT
+    assert "--metrics-endpoint-auth=false" in container["args"]
 
 
 @pytest.mark.cluster
@@ -577,7 +625,9 @@ def test_yaml_lookalike_names_stay_strings(binaries: Binaries) -> None:
 
 
 @pytest.mark.cluster
-def test_examples_are_valid_inference_services(cluster: ClusterHandle, namespace: str) -> None:
+def test_examples_are_valid_inference_services(
+    cluster: ClusterHandle, namespace: str, tmp_path: Path
+) -> None:
     # The chart's CRD, applied as helm would (the operator tests' fixture may have done it).
     applied = cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds")
@@ -587,16 +637,33 @@ def test_examples_are_valid_inference_services(cluster: ClusterHandle, namespace
         "wait", "--for=condition=Established", "crd/inferenceservices.quire.dev"
     )
     assert waited.returncode == 0, waited.stderr
-    docs = [load_all(p.read_text())[0] for p in sorted((ROOT / "examples").glob("*.yaml"))]
+    # The routed example's Gateway and HTTPRoute, against the Gateway API's own CRDs.
+    install_gateway_api_crds(cluster, tmp_path)
+    docs = [
+        doc for p in sorted((ROOT / "examples").glob("*.yaml")) for doc in load_all(p.read_text())
+    ]
     for doc in docs:
         doc["metadata"]["namespace"] = namespace
     assert server_dry_run(cluster, docs) == [
+        "gateway.gateway.networking.k8s.io/inference-gateway",
+        "httproute.gateway.networking.k8s.io/tiny-cpu-routed",
         "inferenceservice.quire.dev/qwen-0-5b",
         "inferenceservice.quire.dev/qwen-0-5b-keda",
         "inferenceservice.quire.dev/qwen-0-5b-mig",
+        "inferenceservice.quire.dev/qwen-0-5b-zero",
         "inferenceservice.quire.dev/tiny-cpu",
+        "inferenceservice.quire.dev/tiny-cpu-routed",
     ]
-    specs = {d["metadata"]["name"]: d["spec"] for d in docs}
+    specs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "InferenceService"}
+    assert specs["tiny-cpu-routed"]["routing"] == {"mode": "InferencePool"}
+    (route,) = [d for d in docs if d["kind"] == "HTTPRoute"]
+    # The route's backend is the pool the operator names after the InferenceService.
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "tiny-cpu-routed"}
+    ]
+    (gateway,) = [d for d in docs if d["kind"] == "Gateway"]
+    assert [p["name"] for p in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]
     assert specs["tiny-cpu"]["resources"]["gpus"] == 0
     assert specs["qwen-0-5b"]["autoscaling"]["enabled"] is True
     assert {"targetQueueDepth", "targetKVCacheUtilization"} <= specs["qwen-0-5b"][

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import subprocess
 import sys
 import urllib.request
 import uuid
@@ -28,8 +29,10 @@ from typing import Any
 import pytest
 import yaml
 
+from quire_operator.config import GIE_VERSION
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
+from tests.operator_tests.gie import POOL_CRD, pool_crd_removed, pool_crd_served
 
 pytestmark = pytest.mark.cluster
 
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "quire"
 EXAMPLES = ROOT / "examples"
 CRD_NAMES = ("inferenceservices.quire.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev")
+ROUTED = "tiny-cpu-routed"  # examples/tiny-cpu-routed.yaml
 
 
 # The rules every mode grants (a Role in namespaced mode, part of the ClusterRole otherwise),
@@ -46,25 +50,34 @@ def rule(group: str, resource: str, *verbs: str) -> dict[str, Any]:
     return {"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}
 
 
+WATCHED = ("get", "list", "watch", "create", "patch", "delete")
+APPLIED = ("get", "create", "patch", "delete")
+READ = ("get", "list", "watch")
 NAMESPACED_RULES = [
     rule("quire.dev", "inferenceservices", "get", "list", "watch", "patch"),
     rule("quire.dev", "inferenceservices/status", "patch"),
     rule("quire.dev", "inferenceservices/finalizers", "update"),
-    rule("apps", "deployments", "get", "list", "watch", "create", "patch"),
-    rule("", "services", "get", "list", "watch", "create", "patch"),
-    rule(
-        "autoscaling",
-        "horizontalpodautoscalers",
-        "get",
-        "list",
-        "watch",
-        "create",
-        "patch",
-        "delete",
-    ),
-    rule("policy", "poddisruptionbudgets", "get", "list", "watch", "create", "patch", "delete"),
-    rule("keda.sh", "scaledobjects", "get", "create", "patch", "delete"),
-    rule("", "pods", "list", "watch"),
+    rule("apps", "deployments", *WATCHED),
+    rule("", "services", *WATCHED),
+    rule("autoscaling", "horizontalpodautoscalers", *WATCHED),
+    rule("policy", "poddisruptionbudgets", *WATCHED),
+    rule("", "persistentvolumeclaims", *WATCHED),
+    rule("batch", "jobs", "get", "list", "watch", "create", "patch"),
+    rule("keda.sh", "scaledobjects", *WATCHED),
+    rule("inference.networking.k8s.io", "inferencepools", *WATCHED),
+    rule("leaderworkerset.x-k8s.io", "leaderworkersets", *APPLIED),
+    {"apiGroups": [""], "resources": ["serviceaccounts", "configmaps"], "verbs": list(APPLIED)},
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": list(APPLIED),
+    },
+    {
+        "apiGroups": ["inference.networking.x-k8s.io"],
+        "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+        "verbs": list(READ),
+    },
+    rule("", "pods", *READ),
     rule("", "events", "create"),
 ]
 
@@ -210,6 +223,18 @@ def apply_example(cluster: ClusterHandle, namespace: str, name: str) -> None:
     assert applied.returncode == 0, applied.stderr
 
 
+def apply_routed_example(cluster: ClusterHandle, namespace: str) -> None:
+    """The routed example's InferenceService (its Gateway and HTTPRoute need a Gateway API
+    implementation, which the test cluster has not)."""
+    (isvc, *_gateway) = yaml.safe_load_all((EXAMPLES / "tiny-cpu-routed.yaml").read_text())
+    applied = subprocess.run(
+        [str(cluster.binaries.kubectl), "apply", "-n", namespace, "-f", "-"],
+        input=json.dumps(isvc), text=True, capture_output=True, env=cluster.env(), timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert applied.returncode == 0, applied.stderr
+
+
 def condition(obj: Any, kind: str) -> dict[str, Any]:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
@@ -298,6 +323,33 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         )
         peering = kubectl_json(cluster, "get", "clusterkopfpeering", operator)
         assert peering["metadata"]["name"] == operator
+
+        # Routing: the operator creates the Endpoint Picker's Role and RoleBinding, which RBAC
+        # admits only because the chart grants the operator everything that Role grants.
+        apply_routed_example(cluster, workload)
+        routed = wait_for(
+            "the routed example RoutingReady",
+            lambda: kubectl_json(cluster, "get", "inferenceservice", ROUTED, "-n", workload),
+            lambda qis: condition(qis, "RoutingReady").get("status") == "True",
+            timeout_s=60,
+        )
+        assert routed["status"]["routing"]["inferencePool"] == ROUTED
+        role = kubectl_json(cluster, "get", "role", f"{ROUTED}-epp", "-n", workload)
+        assert role["metadata"]["ownerReferences"][0]["name"] == ROUTED
+        # Routing off: the operator deletes what it made for it (the delete verbs).
+        patched = cluster.kubectl(
+            "patch", "inferenceservice", ROUTED, "-n", workload, "--type=merge",
+            "-p", '{"spec": {"routing": {"mode": "Service"}}}',
+        )  # fmt: skip
+        assert patched.returncode == 0, patched.stderr
+        for kind in ("inferencepool", "deployment", "service", "configmap", "role", "rolebinding"):
+            name = ROUTED if kind == "inferencepool" else f"{ROUTED}-epp"
+            wait_for(
+                f"the operator to delete {kind} {name}",
+                lambda kind=kind, name=name: cluster.kubectl("get", kind, name, "-n", workload),
+                lambda got: got.returncode != 0 and "NotFound" in got.stderr,
+                timeout_s=30,
+            )
         log = process.log_path.read_text()
     assert not forbidden_lines(log), "\n".join(forbidden_lines(log))
     # With OwnerReferencesPermissionEnforcement on (tests/cluster/launcher.py), these owner
@@ -320,6 +372,9 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         ("update", "inferenceservices.quire.dev", "--subresource=finalizers", "-n", workload),
         ("create", "events", "-n", workload),
         ("create", "clusterkopfpeerings.kopf.dev"),
+        ("create", "roles.rbac.authorization.k8s.io", "-n", workload),
+        ("delete", "inferencepools.inference.networking.k8s.io", "-n", workload),
+        ("delete", "deployments.apps", "-n", workload),
     ]
     denied = [
         ("*", "*", "--all-namespaces"),
@@ -331,7 +386,6 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         ("create", "pods", "-n", workload),
         ("delete", "pods", "-n", workload),
         ("create", "pods/exec", "-n", workload),
-        ("delete", "deployments.apps", "-n", workload),
         ("update", "deployments.apps", "-n", workload),
         ("create", "inferenceservices.quire.dev", "-n", workload),
         ("update", "inferenceservices.quire.dev", "-n", workload),
@@ -344,8 +398,17 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         ("bind", "clusterroles.rbac.authorization.k8s.io"),
         ("escalate", "clusterroles.rbac.authorization.k8s.io"),
         ("impersonate", "serviceaccounts", "-n", workload),
-        ("create", "serviceaccounts/token", "-n", release.namespace),
+        # --subresource: "serviceaccounts/token" alone would ask about a ServiceAccount named
+        # "token", which the operator may create (the Endpoint Picker's are its own).
+        ("create", "serviceaccounts", "--subresource=token", "-n", release.namespace),
+        ("create", "serviceaccounts", "--subresource=token", "-n", workload),
         ("list", "configmaps", "-n", release.namespace),
+        ("list", "configmaps", "-n", workload),
+        ("watch", "serviceaccounts", "-n", workload),
+        ("escalate", "roles.rbac.authorization.k8s.io", "-n", workload),
+        ("bind", "roles.rbac.authorization.k8s.io", "-n", workload),
+        ("create", "clusterroles.rbac.authorization.k8s.io"),
+        ("create", "inferenceobjectives.inference.networking.x-k8s.io", "-n", workload),
         ("list", "kopfpeerings.kopf.dev", "-n", workload),
     ]
     assert [a for a in allowed if not can_i(cluster, release, *a)] == []
@@ -367,7 +430,16 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
     # helm uninstall: the operator and its RBAC go; the CRDs stay (helm never deletes crds/),
     # and so does every InferenceService, now unreconciled.
     out = helm_ok(cluster, "uninstall", release.name, "--namespace", release.namespace, "--wait")
-    assert out.strip() == f'release "{release.name}" uninstalled'
+    *kept, last = [line for line in out.splitlines() if line]
+    assert last == f'release "{release.name}" uninstalled'
+    # The InferencePool CRD, if this release installed it (the session's first install does).
+    assert kept in (
+        [],
+        [
+            "These resources were kept due to the resource policy:",
+            f"[CustomResourceDefinition] {POOL_CRD}",
+        ],
+    ), out
     for kind, name, scope in [
         ("deployment", operator, ["-n", release.namespace]),
         ("serviceaccount", release.service_account, ["-n", release.namespace]),
@@ -377,7 +449,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
     ]:
         gone = cluster.kubectl("get", kind, name, *scope)
         assert gone.returncode == 1 and "NotFound" in gone.stderr, (kind, gone.stdout)
-    for crd in CRD_NAMES:
+    for crd in (*CRD_NAMES, POOL_CRD):
         assert cluster.kubectl("get", "crd", crd).returncode == 0, crd
     assert cluster.kubectl("get", "inferenceservice", "tiny-cpu", "-n", workload).returncode == 0
     # The ServiceAccount is gone, and its token with it (once the API server's cache catches up).
@@ -387,6 +459,40 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         lambda whoami: whoami.returncode == 1 and "Unauthorized" in whoami.stderr,
         timeout_s=30,
     )
+
+
+def test_pool_crd_is_installed_where_missing_and_left_to_its_owner_otherwise(
+    cluster: ClusterHandle, namespace: str, tmp_path: Path
+) -> None:
+    with pool_crd_removed(cluster):
+        with installed(
+            cluster, namespace, tmp_path, "--set", "routing.installCRDs=false"
+        ) as without:
+            assert POOL_CRD not in helm_ok(
+                cluster, "get", "manifest", without.name, "-n", namespace
+            )
+            assert not pool_crd_served(cluster)
+
+        # Missing: the release installs it, kept on uninstall (deleting it would delete every
+        # InferencePool of the cluster).
+        with installed(cluster, namespace, tmp_path) as first:
+            crd = kubectl_json(cluster, "get", "crd", POOL_CRD)
+            annotations = crd["metadata"]["annotations"]
+            assert annotations["meta.helm.sh/release-name"] == first.name
+            assert annotations["helm.sh/resource-policy"] == "keep"
+            assert annotations["inference.networking.k8s.io/bundle-version"] == GIE_VERSION
+            assert pool_crd_served(cluster)
+
+            # Present and someone else's (here: the first release's): a second release leaves
+            # it alone instead of failing on an object it cannot own.
+            second_dir = tmp_path / "second"
+            second_dir.mkdir()
+            with installed(cluster, namespace, second_dir) as second:
+                manifest = helm_ok(cluster, "get", "manifest", second.name, "-n", namespace)
+                assert POOL_CRD not in manifest
+                crd = kubectl_json(cluster, "get", "crd", POOL_CRD)
+                assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == first.name
+        assert pool_crd_served(cluster)  # both releases uninstalled: the CRD stays
 
 
 def test_namespaced_mode_is_confined_to_one_namespace(

@@ -27,6 +27,7 @@ from packaging.utils import canonicalize_name
 from quire_engine.cli import build_parser
 from quire_operator.config import OperatorConfig
 from quire_operator.deployment import build_deployment
+from quire_operator.model_cache import build_job
 from quire_operator.spec import parse
 from tests.operator_tests.helpers import inference_service
 
@@ -360,3 +361,17 @@ def test_engine_image_runs_what_the_operator_deploys() -> None:
         int(gid),
     )
     assert engine["ports"][0]["containerPort"] == int(one(ENGINE, "EXPOSE").args)
+
+
+def test_engine_image_runs_the_model_cache_job() -> None:
+    spec = {"model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct", "cache": {"size": "20Gi"}}}
+    job = build_job(parse(inference_service(spec)), OperatorConfig())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    # `python` is the interpreter of the image's virtualenv, first on PATH, which has the engine
+    # (and so its hub_cache module and huggingface_hub, a dependency of the [engine] extra).
+    assert container["command"][:3] == ["python", "-m", "quire_engine.hub_cache"]
+    assert re.search(r"\bPATH=/opt/quire/bin:", one(ENGINE, "ENV").args)
+    assert "python -m venv /opt/quire" in " ".join(ins.args for ins in instructions(ENGINE))
+    requirements = PYPROJECT["project"]["optional-dependencies"]["engine"]
+    assert "huggingface-hub" in {canonicalize_name(Requirement(r).name) for r in requirements}
+    assert (ROOT / "engine" / "quire_engine" / "hub_cache.py").is_file()

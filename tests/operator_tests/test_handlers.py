@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from quire_operator.cli import build_parser, main
-from quire_operator.handlers import CHILDREN, ChildEvents
+from quire_operator.config import DEFAULT_EPP_IMAGE
+from quire_operator.handlers import CHILDREN, POOLS, ChildEvents
 from tests.operator_tests.helpers import ROOT
 
 
@@ -61,6 +62,20 @@ def test_hpa_events_reconcile_only_on_spec_changes_and_deletion() -> None:
     assert len(recorder.calls) == 2
 
 
+def test_every_pool_event_reconciles_the_owner() -> None:
+    # The Gateways write their verdicts into the pool's status: each one reaches status.routing.
+    assert (POOLS.group, POOLS.version, POOLS.plural) == (
+        "inference.networking.k8s.io",
+        "v1",
+        "inferencepools",
+    )
+    recorder = Recorder()
+    events = routed(recorder)
+    for kind in (None, "MODIFIED", "MODIFIED", "DELETED"):
+        events.handle(POOLS, event(kind))
+    assert recorder.calls == [("ml", "llm")] * 4
+
+
 def test_objects_without_an_owner_label_are_ignored() -> None:
     recorder = Recorder()
     routed(recorder).handle(child("deployments"), event("MODIFIED", app="other"))
@@ -74,6 +89,7 @@ def test_command_line_scope_and_defaults() -> None:
     assert (args.peering, args.standalone, args.priority) == ("quire-operator", False, None)
     assert (args.liveness, args.peering_lifetime) == ("http://0.0.0.0:8080/healthz", 60)
     assert args.resync_seconds == 300
+    assert args.epp_image == DEFAULT_EPP_IMAGE
     assert parser.parse_args(["-A", "--standalone"]).all_namespaces
     with pytest.raises(SystemExit):
         parser.parse_args([])  # a scope is required: never "everything" by accident

@@ -28,9 +28,9 @@ from tests.operator_tests.api import (
     create_isvc,
     deployment,
     events,
-    get_isvc,
     ready,
     service,
+    wait_condition,
 )
 from tests.operator_tests.helpers import inference_service, load_example
 from tests.operator_tests.operator_process import Operators
@@ -50,12 +50,7 @@ def test_a_foreign_object_is_left_alone_reported_and_waited_out(
     process = operators.start()
     create_isvc(cluster, namespace, load_example())
 
-    isvc = wait_for(
-        "Degraded=NotOwned",
-        lambda: get_isvc(cluster, namespace),
-        lambda obj: condition(obj, "Degraded").get("reason") == "NotOwned",
-        timeout_s=30,
-    )
+    isvc = wait_condition(cluster, namespace, "Degraded", reason="NotOwned")
     message = condition(isvc, "Degraded")["message"]
     assert message.startswith(
         f'Service "{NAME}" already exists and is not controlled by this InferenceService'
@@ -110,12 +105,7 @@ def test_a_look_alike_deployment_is_not_adopted(
     cluster.apps.create_namespaced_deployment(namespace, orphan)
     operators.start()
     create_isvc(cluster, namespace, load_example())
-    wait_for(
-        "Degraded=NotOwned",
-        lambda: get_isvc(cluster, namespace),
-        lambda obj: condition(obj, "Degraded").get("reason") == "NotOwned",
-        timeout_s=30,
-    )
+    wait_condition(cluster, namespace, "Degraded", reason="NotOwned")
     live = deployment(cluster, namespace)
     assert "ownerReferences" not in live["metadata"]  # the garbage collector can never take it
     assert [c["image"] for c in live["spec"]["template"]["spec"]["containers"]] == ["old-engine:1"]

@@ -42,6 +42,7 @@ from tests.operator_tests.api import (
     pdb,
     ready,
     service,
+    wait_condition,
 )
 from tests.operator_tests.helpers import EXAMPLE_PATH, load_example, root_schema, with_defaults
 from tests.operator_tests.operator_process import GarbageCollectorProbe, Operators
@@ -113,8 +114,8 @@ def test_readme_example_reconciles_to_ready_children(
     table = cluster.kubectl("get", "qis", "-n", namespace)
     assert table.returncode == 0, table.stderr
     header, row = (line.split() for line in table.stdout.splitlines())
-    assert header == ["NAME", "READY", "REPLICAS", "URL", "AUTH", "AGE"]
-    assert row[:5] == [NAME, "True", "1", url, "None"]
+    assert header == ["NAME", "READY", "REPLICAS", "DESIRED", "URL", "AUTH", "AGE"]
+    assert row[:6] == [NAME, "True", "1", "1", url, "None"]
 
 
 def test_spec_update_is_followed_and_observed_generation_advances(
@@ -276,6 +277,15 @@ def test_drift_is_repaired_within_seconds(
             {"engine": {"extraArgs": ["--api-key", "hunter2"]}},
             "or carry an API key (--api-key: use spec.apiKeySecretRef)",
         ),
+        (
+            {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}},
+            "spec.resources.gpus must equal spec.parallelism.tensor: each tensor-parallel rank "
+            "of a pod uses one GPU",
+        ),
+        (
+            {"engine": {"extraArgs": ["--nnodes=2"]}},
+            "--[no-]headless: use spec.parallelism",
+        ),
     ],
     ids=[
         "min-above-max",
@@ -284,6 +294,8 @@ def test_drift_is_repaired_within_seconds(
         "unknown-preemption",
         "extra-port",
         "extra-api-key",
+        "unused-gpus",
+        "extra-nnodes",
     ],
 )  # fmt: skip
 def test_invalid_specs_are_rejected_by_the_api_server(
@@ -339,12 +351,7 @@ def test_a_missing_secret_degrades_with_the_kubelets_words_and_no_secret_is_read
         }
     }  # fmt: skip
     cluster.core.patch_namespaced_pod_status(pod.metadata.name, namespace, kubelet_status)
-    isvc = wait_for(
-        "Degraded=CreateContainerConfigError",
-        lambda: get_isvc(cluster, namespace),
-        lambda obj: condition(obj, "Degraded").get("reason") == "CreateContainerConfigError",
-        timeout_s=30,
-    )
+    isvc = wait_condition(cluster, namespace, "Degraded", reason="CreateContainerConfigError")
     where = f"pod {pod.metadata.name}, container engine"
     assert condition(isvc, "Degraded")["message"] == f"{where}: {message}"
     assert condition(isvc, "Ready")["reason"] == "NoReplicaReady"
@@ -357,12 +364,7 @@ def test_unschedulable_replicas_degrade_with_the_schedulers_reason(
     create_example(cluster, namespace)
 
     patch_spec(cluster, namespace, {"resources": {"gpus": 16}})  # no node has 16
-    isvc = wait_for(
-        "Degraded=Unschedulable",
-        lambda: get_isvc(cluster, namespace),
-        lambda obj: condition(obj, "Degraded").get("reason") == "Unschedulable",
-        timeout_s=30,
-    )
+    isvc = wait_condition(cluster, namespace, "Degraded", reason="Unschedulable")
     message = condition(isvc, "Degraded")["message"]
     unschedulable = r"pod tiny-[a-z0-9]+-[a-z0-9]+: 0/2 nodes are available: 2 Insufficient nvidia"
     assert re.match(unschedulable, message), message

@@ -78,6 +78,12 @@ app.kubernetes.io/name: quire-engine
 app.kubernetes.io/managed-by: quire-operator
 {{- end -}}
 
+{{/* The labels the operator puts on every Endpoint Picker pod (quire_operator.endpoint_picker). */}}
+{{- define "quire.endpointPicker.selectorLabels" -}}
+app.kubernetes.io/name: quire-endpoint-picker
+app.kubernetes.io/managed-by: quire-operator
+{{- end -}}
+
 {{/* The name of the engine container's (and Service's) HTTP port, which serves /metrics. */}}
 {{- define "quire.engine.portName" -}}
 http
@@ -88,9 +94,13 @@ quire.rbac.rules: every API call quire-operator makes on namespaced objects, and
 (a Role in namespaced mode, part of the ClusterRole otherwise). Children are written by
 server-side apply: a PATCH, which the API server also authorizes as create when the object does
 not exist yet (so patch and create, never update).
-Deletion of children is left to the garbage collector (owner references): no delete verbs,
-except for the HPA, ScaledObject and PDB, which the operator removes when the spec no longer asks
-for them.
+Deletion of children is left to the garbage collector (owner references); the operator deletes
+only what the spec no longer asks for: an HPA, ScaledObject or PDB, and the routing objects
+(InferencePool, the Endpoint Picker's Deployment, Service, ServiceAccount, Role, RoleBinding,
+ConfigMap) when routing is turned off.
+RBAC lets the operator grant the Endpoint Picker's Role only what it holds itself (no escalate or
+bind verbs): it therefore holds what that Role grants (read pods, InferencePools,
+InferenceObjectives, InferenceModelRewrites).
 */}}
 {{- define "quire.rbac.rules" -}}
 # kopf watches InferenceServices and keeps its progress in their annotations (patch); the
@@ -111,28 +121,66 @@ for them.
   verbs: [update]
 # Children: watched (list, watch) to repair drift, read (get) to make sure an existing object of
 # the same name is this InferenceService's before anything is applied, applied (create, patch);
-# the HPA and PDB are deleted when no longer wanted.
+# deleted when no longer wanted (the HPA and PDB; the Endpoint Picker's Deployment and Service
+# when routing is turned off).
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
-# KEDA ScaledObjects (autoscaling.backend keda): applied, and read and deleted when the backend
-# switches or autoscaling goes off. Not watched: the operator runs without KEDA installed.
+# The model cache (spec.model.cache): its PersistentVolumeClaim, applied, read, watched for its
+# phase, deleted when the cache is turned off; its download Job, applied, read and watched for
+# its progress (finished Jobs are left to the garbage collector).
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch]
+# KEDA ScaledObjects (autoscaling.backend keda): applied, read and deleted when the backend
+# switches or autoscaling goes off, and watched (list, watch) for their conditions where KEDA is
+# installed when the operator starts (it runs without KEDA too).
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
+  verbs: [get, list, watch, create, patch, delete]
+# Routing (spec.routing.mode InferencePool): the InferencePool, applied, read, deleted when routing
+# is turned off, and watched (list, watch) for the Gateways' reports in its status.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
+# Multi-node replicas (spec.parallelism.nodes > 1): the LeaderWorkerSet that replaces the
+# Deployment, read, applied and deleted when the spec goes back to one node. Not watched: its
+# pods are (below), and it runs without the LeaderWorkerSet CRD too.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
   verbs: [get, create, patch, delete]
-# Engine pods: watched and listed to explain an unready replica in the status (never changed).
+# The Endpoint Picker's ServiceAccount, ConfigMap, Role and RoleBinding: read, applied, deleted
+# when routing is turned off. Never listed or watched (no reading of every ConfigMap): a change
+# to them is repaired on the next reconcile.
+- apiGroups: [""]
+  resources: [serviceaccounts, configmaps]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
+# Held only to be granted to the Endpoint Picker (its Role): GIE's InferenceObjectives and
+# InferenceModelRewrites, which the picker reads where they are installed.
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferenceobjectives, inferencemodelrewrites]
+  verbs: [get, list, watch]
+# Pods: engine and Endpoint Picker pods watched and listed to explain an unready replica in the
+# status, download pods for the model cache's outcome (their termination message); never
+# changed; get is held for the Endpoint Picker's Role.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [get, list, watch]
 # No Secrets: the pods reference them (API key, model token) and the kubelet reports a missing
 # one in the pod status, which the operator reads from the pods above.
 # The operator posts one Event per status transition on the InferenceService (and kopf posts

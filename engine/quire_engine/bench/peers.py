@@ -60,7 +60,7 @@ def build_model_dir(
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -115,34 +115,55 @@ class Launched:
 @contextlib.contextmanager
 def launched(system: str, spec: ServerSpec, log_path: Path) -> Iterator[Launched]:
     """Start the server, wait until it answers, yield it, stop it."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    port = free_port()
+    # Quire answers /ready once warmed up; transformers serve loads its pinned model at start
+    # and answers /health when its continuous-batching worker lives.
+    ready_path = "/ready" if system == "quire" else "/health"
+    with started(command(system, spec, port), port, ready_path, log_path, name=system) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def started(
+    argv: list[str],
+    port: int,
+    ready_path: str,
+    log_path: Path,
+    *,
+    name: str = "server",
+    poll_s: float = 0.5,
+) -> Iterator[Launched]:
+    """Run ``argv`` (a server listening on ``port`` of loopback, output to ``log_path``) with
+    one torch thread and this ``quire_engine`` first on its path, wait until ``ready_path``
+    answers 200 (polled every ``poll_s``), yield it, stop it. ``ValueError`` with the log's
+    tail when it exits first."""
+    # The child imports the quire_engine this process runs (a checkout, not another install).
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            command(system, spec, port), stdout=log, stderr=subprocess.STDOUT, env=env
-        )
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_ready(proc, url, system, log_path)
+            _wait_ready(proc, url + ready_path, name, log_path, poll_s)
             yield Launched(url, proc.pid)
         finally:
             _stop(proc)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, system: str, log_path: Path) -> None:
-    # Quire answers /ready once warmed up; transformers serve loads its pinned model at start
-    # and answers /health when its continuous-batching worker lives.
-    path = "/ready" if system == "quire" else "/health"
+def _wait_ready(
+    proc: subprocess.Popen[bytes], url: str, name: str, log_path: Path, poll_s: float
+) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:]
-            raise ValueError(f"{system} server exited with {proc.returncode}:\n{tail}")
+            raise ValueError(f"{name} server exited with {proc.returncode}:\n{tail}")
         with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(url + path, timeout=5.0).status_code == 200:
+            if httpx2.get(url, timeout=5.0).status_code == 200:
                 return
-        time.sleep(0.5)
-    raise ValueError(f"{system} server did not become ready within {START_TIMEOUT_S:.0f} s")
+        time.sleep(poll_s)
+    raise ValueError(f"{name} server did not become ready within {START_TIMEOUT_S:.0f} s")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -33,7 +33,7 @@ timing of asynchronous kernels would be wrong).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from quire_engine.core.scheduler import SchedulerOutput
+from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.model.runner import CacheShape
@@ -82,9 +82,11 @@ class StepLog:
         self.cost = ModelCost.of(runner.model, runner.shape)
         execute = runner.execute
 
-        def recorded(out: SchedulerOutput) -> torch.Tensor:
+        def recorded(
+            out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
+        ) -> torch.Tensor:
             self.steps.append(Step.of(out))
-            return execute(out)
+            return execute(out, prompt_spans)
 
         runner.execute = recorded  # type: ignore[method-assign]
         try:

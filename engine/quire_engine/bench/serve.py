@@ -31,21 +31,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import math
 import os
 import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx2
 
 from quire_engine.bench import peers as servers
+from quire_engine.bench.client import (
+    RequestResult,
+    latency_summary,
+    model_card,
+    scrape,
+    stream_completion,
+)
 from quire_engine.bench.workload import (
     RequestLengths,
     random_tokens,
@@ -126,16 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile; with --url the server must run with --profile) and the rest of the "
         "process (HTTP, SSE, tokenization)",
     )
-
-
-@dataclass(slots=True)
-class _Result:
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft: float | None = None
-    e2e: float | None = None
-    itls: list[float] = field(default_factory=list)
-    error: str | None = None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -335,16 +330,16 @@ async def _bench(
     async with httpx2.AsyncClient(
         base_url=url.rstrip("/"), headers=headers, limits=limits, timeout=timeout
     ) as client:
-        model, max_model_len = await _model(client, args.model)
+        model, max_model_len = await model_card(client, args.model)
         if workload is None:
             workload = _Workload.from_args(args, max_model_len)
         if warm_up:  # first-request costs (transformers builds its batching manager) excluded
             prompt = warm_up_prompts(workload.prompts, 1)[0]  # no prefix shared with the run
             warm = RequestLengths(prompt=len(prompt), output=4)
-            await _request(client, model, prompt, warm, None, workload.ignore_eos)
+            await stream_completion(client, model, prompt, warm, None, workload.ignore_eos)
         rng = random.Random(args.seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        scraped = await _scrape(client)
+        scraped = await scrape(client)
         profile_start = _profile_counters(scraped) if args.profile else None
         gc_start = _gc_pauses(scraped)
         cpu_start = cpu() if cpu is not None else None
@@ -353,7 +348,7 @@ async def _bench(
         for prompt, length in zip(workload.prompts, workload.lengths, strict=True):
             tasks.append(
                 asyncio.create_task(
-                    _request(client, model, prompt, length, gate, workload.ignore_eos)
+                    stream_completion(client, model, prompt, length, gate, workload.ignore_eos)
                 )
             )
             if math.isfinite(args.request_rate):
@@ -361,7 +356,7 @@ async def _bench(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         cpu_s = cpu() - cpu_start if cpu is not None and cpu_start is not None else None
-        scraped = await _scrape(client) if scraped else []
+        scraped = await scrape(client) if scraped else []
         profile_end = _profile_counters(scraped) if profile_start is not None else None
         gc_end = _gc_pauses(scraped) if gc_start is not None else None
     report = _report(args, url, model, results, duration)
@@ -376,16 +371,6 @@ async def _bench(
     if profile_start is not None and profile_end is not None:
         report["profile"] = _profile_report(profile_start, profile_end, cpu_s)
     return report
-
-
-async def _scrape(client: httpx2.AsyncClient) -> list[Metric]:
-    """The server's ``/metrics``, parsed; empty when it has none (not a Quire server)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = await client.get("/metrics")
-    if response.status_code != 200:
-        return []
-    return list(text_string_to_metric_families(response.text))
 
 
 def _profile_counters(families: list[Metric]) -> dict[str, float] | None:
@@ -436,93 +421,8 @@ def _profile_report(
     return report
 
 
-async def _model(client: httpx2.AsyncClient, model: str | None) -> tuple[str, int]:
-    response = await client.get("/v1/models")
-    response.raise_for_status()
-    cards = response.json()["data"]
-    card = next((c for c in cards if c["id"] == model), cards[0] if cards else {})
-    if not card and model is None:
-        raise ValueError("the server lists no model; pass --model")
-    # max_model_len is a vLLM/Quire extension of the model card; 2048 when a server lacks it.
-    return model or card["id"], int(card.get("max_model_len") or 2048)
-
-
-async def _request(
-    client: httpx2.AsyncClient,
-    model: str,
-    prompt: list[int] | str,
-    length: RequestLengths,
-    gate: asyncio.Semaphore | None,
-    ignore_eos: bool = True,
-) -> _Result:
-    result = _Result(prompt_tokens=length.prompt)
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": length.output,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if ignore_eos:  # a vLLM/Quire extension; servers that lack it may refuse the field
-        body["ignore_eos"] = True
-    async with gate or contextlib.nullcontext():
-        sent = last = time.perf_counter()
-        try:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    result.error = f"HTTP {response.status_code}: {text[:200]}"
-                    return result
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result.error = str(event["error"].get("message"))
-                        return result
-                    now = time.perf_counter()
-                    if event.get("usage"):
-                        result.prompt_tokens = event["usage"]["prompt_tokens"]
-                        result.output_tokens = event["usage"]["completion_tokens"]
-                    if not event.get("choices"):
-                        continue
-                    if result.ttft is None:
-                        result.ttft = now - sent
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-        except httpx2.HTTPError as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-            return result
-        result.e2e = time.perf_counter() - sent
-    if result.ttft is None or not result.output_tokens:
-        result.error = "the stream ended without tokens or usage"
-    return result
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _summary(name: str, seconds: list[float]) -> dict[str, float | None]:
-    ms = [s * 1000 for s in seconds]
-    if not ms:
-        return {f"mean_{name}_ms": None, f"p50_{name}_ms": None, f"p99_{name}_ms": None}
-    return {
-        f"mean_{name}_ms": round(sum(ms) / len(ms), 2),
-        f"p50_{name}_ms": round(_percentile(ms, 50), 2),
-        f"p99_{name}_ms": round(_percentile(ms, 99), 2),
-    }
-
-
 def _report(
-    args: argparse.Namespace, url: str, model: str, results: list[_Result], duration: float
+    args: argparse.Namespace, url: str, model: str, results: list[RequestResult], duration: float
 ) -> dict[str, Any]:
     done = [r for r in results if r.error is None]
     failed = [r for r in results if r.error is not None]
@@ -548,9 +448,9 @@ def _report(
         "output_throughput": round(output_tokens / duration, 2),
         "total_token_throughput": round((input_tokens + output_tokens) / duration, 2),
     }
-    report.update(_summary("ttft", [r.ttft for r in done if r.ttft is not None]))
-    report.update(_summary("tpot", tpots))
-    report.update(_summary("itl", [gap for r in done for gap in r.itls]))
-    report.update(_summary("e2e", [r.e2e for r in done if r.e2e is not None]))
+    report.update(latency_summary("ttft", [r.ttft for r in done if r.ttft is not None]))
+    report.update(latency_summary("tpot", tpots))
+    report.update(latency_summary("itl", [gap for r in done for gap in r.itls]))
+    report.update(latency_summary("e2e", [r.e2e for r in done if r.e2e is not None]))
     report["errors"] = [r.error for r in failed[:MAX_ERRORS_REPORTED]]
     return report

@@ -32,8 +32,9 @@ from quire_engine.core.detokenizer import Detokenizer
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine import llm_engine as engine_module
 from quire_engine.engine.llm import LLM
-from quire_engine.engine.metrics import ServerMetrics, StatsRecorder
+from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 from quire_engine.engine.profile import timed
+from quire_engine.engine.recorder import StatsRecorder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the server's per-step metric accounting (StatsRecorder.step and "
         "refresh, run by the engine thread after every step): metrics_us_*",
+    )
+    parser.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --metrics: the server also exports vLLM's names (as serve does by default)",
     )
 
 
@@ -137,7 +144,7 @@ def _measure(
             raise ValueError(f"could not run {count} sequences at once")
         timings: list[float] = []
         accounting: list[float] = []
-        recorder = _recorder(engine, ids) if args.metrics else None
+        recorder = _recorder(engine, ids, params, args.vllm_metrics) if args.metrics else None
         with _profiled(engine, totals, args.profile):
             for _ in range(args.steps):
                 t0 = time.thread_time_ns()
@@ -169,12 +176,15 @@ def _measure(
     return out
 
 
-def _recorder(engine: engine_module.LLMEngine, ids: list[str]) -> StatsRecorder:
+def _recorder(
+    engine: engine_module.LLMEngine, ids: list[str], params: SamplingParams, vllm: bool
+) -> StatsRecorder:
     """A server's metric accounting for the running requests (its own registry)."""
-    recorder = StatsRecorder(ServerMetrics("bench-step"), engine.scheduler.stats())
+    metrics = ServerMetrics("bench-step", vllm=vllm)
+    recorder = StatsRecorder(metrics, engine.scheduler.stats(), EngineFacts.of(engine))
     now = time.monotonic()
     for rid in ids:
-        recorder.added(rid, 0, now)
+        recorder.added(rid, 0, params, now)
     return recorder
 
 

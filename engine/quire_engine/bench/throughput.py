@@ -87,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--systems", default="quire,hf_static,hf_continuous", help="comma-separated subset to run"
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run Quire sharded over this many ranks (one worker process each, --threads "
+        "threads per rank on CPU) and report its speed-up over one rank and the collectives' "
+        "share of its wall time",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="float32 on CPU, bfloat16 on CUDA")
     parser.add_argument(
@@ -201,6 +209,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["quire_prefix_hit_tokens"] = run.prefix_hit_tokens
             if run.profile is not None:
                 result["quire_profile"] = run.profile
+            if args.tensor_parallel_size > 1:
+                result["tensor_parallel"] = _tensor_parallel(
+                    model, Path(tmp), prompts, lengths, budget, args, run.rate
+                )
         if "hf_static" in systems:
             rates["hf_static"], result["hf_static_waves"] = _hf_static(
                 model, prompts, lengths, budget
@@ -292,14 +304,66 @@ def _quire(
     return _QuireRun(_Rate(produced, elapsed, cpu), log, hits, profile)
 
 
-def quire_llm(model: PreTrainedModel, tmp: Path, budget: int, args: argparse.Namespace) -> LLM:
+def _tensor_parallel(
+    model: PreTrainedModel,
+    tmp: Path,
+    prompts: list[list[int]],
+    lengths: list[RequestLengths],
+    budget: int,
+    args: argparse.Namespace,
+    one_rank: _Rate,
+) -> dict[str, Any]:
+    """The same timed run at ``--tensor-parallel-size`` ranks (same KV budget in tokens).
+
+    ``speedup_vs_tp1``: one rank's wall time over this run's. ``collective_share``: the part of
+    the wall time rank 0 spends inside all-reduces and the logits' all-gather, waiting for the
+    slowest rank included. ``plan_send_share`` / ``plan_send_us_per_step``: pickling each step's
+    plan and writing it to the workers' pipes."""
+    size = args.tensor_parallel_size
+    threads = torch.get_num_threads()  # the engine splits them over its ranks on CPU
+    with quire_llm(model, tmp, budget, args, tensor_parallel_size=size) as llm:
+        group = llm.engine.parallel
+        assert group is not None
+        warm = warm_up_prompts(prompts, 4)
+        llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4)] * len(warm))
+        comm0, send0, steps0 = group.comm.comm_seconds, group.publish_seconds, group.steps
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, request_params(lengths))
+        wall = time.perf_counter() - t0
+        comm, send = group.comm.comm_seconds - comm0, group.publish_seconds - send0
+        steps = group.steps - steps0
+    torch.set_num_threads(threads)  # for the systems measured after this one
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != one_rank.tokens:
+        raise RuntimeError("quire at tensor parallelism produced the wrong number of tokens")
+    return {
+        "size": size,
+        "threads_per_rank": max(1, args.threads // size) if args.device == "cpu" else None,
+        "tok_s": round(produced / wall, 1),
+        "tp1_tok_s": round(one_rank.tokens / one_rank.wall_s, 1),
+        "speedup_vs_tp1": round(one_rank.wall_s / wall, 2),
+        "steps": steps,
+        "collective_share": round(comm / wall, 3),
+        "plan_send_share": round(send / wall, 4),
+        "plan_send_us_per_step": round(send / max(steps, 1) * 1e6, 1),
+    }
+
+
+def quire_llm(
+    model: PreTrainedModel,
+    tmp: Path,
+    budget: int,
+    args: argparse.Namespace,
+    tensor_parallel_size: int = 1,
+) -> LLM:
     """Quire's engine (an ``LLM``) for ``model``, saved under ``tmp``, with a KV pool of
     ``budget`` tokens and this bench's scheduler limits."""
     from quire_engine.engine.llm import LLM
 
     path = tmp / "model"
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    if not path.is_dir():
+        model.save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
     return LLM(
         str(path),
         device=args.device,
@@ -310,6 +374,7 @@ def quire_llm(model: PreTrainedModel, tmp: Path, budget: int, args: argparse.Nam
         max_num_seqs=256,
         max_num_batched_tokens=2048,
         enable_prefix_caching=True,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 

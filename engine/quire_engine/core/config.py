@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 MAX_BLOCK_SIZE = 256
+DEFAULT_MASTER_PORT = 29500  # node 0's rendezvous under several nodes (torch's usual port)
 
 
 class PreemptionMode(enum.Enum):
@@ -98,7 +99,14 @@ class EngineConfig:
     ``max_model_len``, the pool size from ``num_blocks``, else ``kv_cache_memory``, else device
     memory. ``swap_space`` (GiB) sizes the CPU pool used only by ``preemption_mode="swap"``.
     ``chat_template`` (a Jinja template or the path of a file holding one) replaces the
-    tokenizer's own; a model with neither refuses chat requests.
+    tokenizer's own; a model with neither refuses chat requests. ``tensor_parallel_size``: the
+    number of ranks (processes, one device each) the model's layers are sharded over, on all
+    nodes together; 1 runs the model in the engine process alone.
+
+    Several nodes (``nnodes`` > 1, e.g. the pods of one LeaderWorkerSet group): each runs
+    ``tensor_parallel_size // nnodes`` consecutive ranks; node ``node_rank`` 0 is the engine
+    (rank 0, the scheduler) and listens for the other nodes at ``master_addr``:``master_port``,
+    where they connect. With one node the ranks meet on an ephemeral loopback port instead.
     """
 
     model: str | None = None
@@ -116,9 +124,17 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     chat_template: str | None = None
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))
+        if _check_int("tensor_parallel_size", self.tensor_parallel_size) < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
+        self._check_nodes()
         block_size = _check_int("block_size", self.block_size)
         if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
             raise ValueError(
@@ -137,3 +153,25 @@ class EngineConfig:
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
         _check_int("seed", self.seed)
+
+    def _check_nodes(self) -> None:
+        if _check_int("nnodes", self.nnodes) < 1:
+            raise ValueError(f"nnodes must be >= 1; got {self.nnodes}")
+        if not 0 <= _check_int("node_rank", self.node_rank) < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}, the ranks of all nodes) must "
+                f"be a multiple of nnodes ({self.nnodes})"
+            )
+        if not 1 <= _check_int("master_port", self.master_port) <= 65535:
+            raise ValueError(f"master_port must be in 1..65535; got {self.master_port}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(
+                f"master_addr must be a host name or address; got {self.master_addr!r}"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks (processes, devices) on each node."""
+        return self.tensor_parallel_size // self.nnodes

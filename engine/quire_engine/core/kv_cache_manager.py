@@ -223,9 +223,9 @@ class KVCacheManager:
         """Longest chain of cached full blocks matching the sequence's tokens (not yet held).
 
         At most ``num_tokens - 1`` tokens can hit: the last token is always recomputed because its
-        logits are needed to sample.
+        logits are needed to sample. A sequence that wants prompt logprobs hits nothing.
         """
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or seq.prompt_logits:
             return []
         hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hits: list[Block] = []

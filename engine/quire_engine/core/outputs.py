@@ -85,7 +85,11 @@ class CompletionOutput:
 class RequestOutput:
     """Cumulative output of one request. ``error`` is set when the request failed on its own (an
     internal error in its sampling, detokenization, stop checks or beam step): it is then
-    finished, its samples end with ``finish_reason`` "abort", and the engine went on."""
+    finished, its samples end with ``finish_reason`` "abort", and the engine went on.
+    ``num_cached_tokens``: prompt tokens found in the prefix cache when it was first scheduled
+    (vLLM's field of the same name). ``prompt_logprobs``, when asked for: one entry per prompt
+    token (None for the first), mapping token id -> log-probability (the prompt's own token plus
+    the top alternatives)."""
 
     request_id: str
     prompt: str | None
@@ -93,3 +97,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -48,6 +48,8 @@ class Sample:
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # Its grammar matcher under structured outputs (``structured/matchers``; opaque here).
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:
@@ -66,6 +68,13 @@ class Request:
     # Token ids that end a sample when generated: the model's EOS ids (unless ``ignore_eos``)
     # and ``stop_token_ids``. Given by the engine, which knows the EOS ids.
     stop_ids: frozenset[int] = frozenset()
+    # Token ids of each of ``params.bad_words`` (tokenized by the engine).
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # Per prompt token: its log-probability and the top alternatives, by token id (None for the
+    # first token, which nothing predicts); filled as the prompt is computed, when asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The compiled grammar of ``params.constraint`` (``structured/grammars``; opaque here).
+    grammar: Any = None
     # Derived once here (params and beam never change) because the step reads them for every
     # row: ``single``, one sample stream and no beam; ``plain_greedy``, a single greedy stream
     # with nothing else to compute (no penalties or logprobs): its row is the batch argmax.
@@ -97,6 +106,7 @@ class RequestTable:
         self._requests: dict[str, Request] = {}
         self._owner: dict[str, tuple[Request, Sample]] = {}
         self._num_not_plain = 0  # live requests that are not plain greedy
+        self.num_prompt_logprobs = 0  # live requests that want prompt logprobs
         # owner(seq_id): the request and sample of a live sequence (KeyError for an unknown id).
         # The dict's own lookup: the step loop calls it once per sampled sequence.
         self.owner: Callable[[str], tuple[Request, Sample]] = self._owner.__getitem__
@@ -127,6 +137,7 @@ class RequestTable:
         self.scheduler.add(first.seq)  # validates length and pool fit; raises before mutating
         self._requests[request.request_id] = request
         self._num_not_plain += not request.plain_greedy
+        self.num_prompt_logprobs += request.prompt_logprobs is not None
         self._register(request, first)
 
     def new_sample(
@@ -194,6 +205,7 @@ class RequestTable:
         """Forget a finished request and its samples (their sequences are already finished)."""
         if self._requests.pop(request.request_id, None) is not None:
             self._num_not_plain -= not request.plain_greedy
+            self.num_prompt_logprobs -= request.prompt_logprobs is not None
         for s in request.samples:
             self._owner.pop(s.seq.seq_id, None)
 

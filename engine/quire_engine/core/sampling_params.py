@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from quire_engine.core.constraint import OutputConstraint
+
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_N = 1024  # parallel samples per request (the engine also caps n at max_num_seqs)
 MAX_STOPS = 32  # stop strings, and separately stop token ids, per request
@@ -23,6 +25,8 @@ MAX_TEMPERATURE = 2.0
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300  # token ids per request (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,21 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's further controls. ``repetition_penalty`` divides positive (multiplies negative)
+    # logits of every token seen in the prompt or output; ``min_tokens`` bans the stop ids
+    # (EOS, ``stop_token_ids``) until that many tokens are out; ``logit_bias`` adds to the
+    # logits of token ids; ``allowed_token_ids`` restricts sampling to those ids; ``bad_words``
+    # bans each word's last token where the output already ends with the rest of the word;
+    # ``prompt_logprobs`` asks for each prompt token's log-probability plus that many top
+    # alternatives (computed, never read from the prefix cache).
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
+    # Structured outputs: what the output must match (``structured/`` compiles and enforces it).
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers and keep the frozen value hashable.
@@ -90,9 +109,62 @@ class SamplingParams:
             )
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, INT64_MAX)
+        self._check_extensions()
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r:.80}")
+
+    def _check_extensions(self) -> None:
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            0.0,
+            MAX_REPETITION_PENALTY,
+            open_low=True,
+        )
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        if not isinstance(bias, tuple | list) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for pair in bias:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias); got {pair!r:.80}")
+            _check_int("logit_bias", pair[0], 0, INT64_MAX)
+            _check_float("logit_bias", pair[1], -100.0, 100.0)
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, tuple | list) or not allowed:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            for t in allowed:
+                _check_int("allowed_token_ids", t, 0, INT64_MAX)
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        words = self.bad_words
+        words = (words,) if isinstance(words, str) else words
+        if not isinstance(words, tuple | list) or len(words) > MAX_STOPS:
+            raise ValueError(f"bad_words must be a list of at most {MAX_STOPS} strings")
+        for w in words:
+            if not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_CHARS:
+                raise ValueError(f"bad_words must be non-empty strings; got {w!r:.80}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
+            raise ValueError(f"constraint must be an OutputConstraint; got {self.constraint!r:.80}")
+
+    @property
+    def constrained(self) -> bool:
+        """Anything that edits the logits before the pick (besides the two penalties)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+            or self.constraint is not None
+        )
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +179,8 @@ class SamplingParams:
             and self.logprobs is None
             and not self.presence_penalty
             and not self.frequency_penalty
+            and not self.constrained
+            and self.prompt_logprobs is None
         )
 
 

@@ -13,9 +13,10 @@ recompute (free its blocks, front of the waiting queue) or swap (move its blocks
 Because the victim is always the newest, the oldest request always makes progress; a request that
 could not fit even alone is rejected by ``add`` with a ``ValueError``.
 
-Ownership: the scheduler owns every ``Sequence``'s ``status`` and ``num_computed_tokens`` and the
-queues; the engine calls ``update`` after each model step and ``finish``/``abort`` when a sequence
-ends. Every path out (finish, abort, preemption) releases the blocks through the KV cache manager.
+Ownership: the scheduler owns every ``Sequence``'s ``status``, ``num_computed_tokens`` and
+``num_cached_tokens`` and the queues; the engine calls ``update`` after each model step and
+``finish``/``abort`` when a sequence ends. Every path out (finish, abort, preemption) releases
+the blocks through the KV cache manager.
 """
 
 from __future__ import annotations
@@ -74,6 +75,29 @@ class SchedulerOutput:
         return slots
 
 
+class PromptLogitSpan(NamedTuple):
+    """Rows of prompt logits one step computes for a sequence that wants prompt logprobs: the
+    logits at positions ``first .. first + rows - 1`` of sequence ``batch_index`` of the step,
+    each predicting the prompt token after it."""
+
+    batch_index: int
+    seq: Sequence
+    first: int
+    rows: int
+
+
+def prompt_logit_spans(out: SchedulerOutput) -> list[PromptLogitSpan]:
+    """The step's prompt-logit rows, in batch order (empty for sequences that did not ask)."""
+    spans = []
+    for i, seq in enumerate(out.seqs):
+        if seq.prompt_logits:
+            start = out.start_positions[i]
+            end = min(start + out.num_new_tokens[i], len(seq.prompt_token_ids) - 1)
+            if end > start:
+                spans.append(PromptLogitSpan(i, seq, start, end - start))
+    return spans
+
+
 # The share of a request's remaining ``max_tokens`` that KV demand expects it to still generate.
 # All of it is the worst case and over-provisions when clients send a large default max_tokens;
 # none of it reacts only once prompts alone fill the pool. Half sits between the two: on a ramp,
@@ -91,7 +115,7 @@ class SchedulerStats(NamedTuple):
     num_running: int
     num_waiting: int
     num_swapped: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_queries: int  # prompt tokens looked up in the prefix cache (first schedule only)
     prefix_hits: int  # of those, found
     num_preemptions: Mapping[PreemptionMode, int]  # a read-only copy
     waiting_ids: frozenset[str]  # ids of the sequences in WAITING
@@ -283,7 +307,9 @@ class Scheduler:
             if cached is None:
                 break
             seq.num_computed_tokens = cached
-            kv.note_prefix_query(seq.num_tokens, num_hit)
+            if seq.num_cached_tokens < 0:  # a lookup only once: a victim mostly finds itself
+                seq.num_cached_tokens = cached
+                kv.note_prefix_query(seq.num_tokens, num_hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)

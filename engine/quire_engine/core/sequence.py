@@ -1,8 +1,9 @@
 """One generation stream: its tokens, its progress and where it sits in the scheduler.
 
-A ``Sequence`` is plain data. The scheduler owns its ``status`` and ``num_computed_tokens``; the
-engine appends sampled tokens through ``Scheduler.update``; the KV cache manager owns its block
-table (kept outside, keyed by ``seq_id``) and fills ``block_hashes`` lazily.
+A ``Sequence`` is plain data. The scheduler owns its ``status``, ``num_computed_tokens`` and
+``num_cached_tokens``; the engine appends sampled tokens through ``Scheduler.update``; the KV
+cache manager owns its block table (kept outside, keyed by ``seq_id``) and fills
+``block_hashes`` lazily.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when the scheduler first took the sequence (-1:
+    # not yet); set once, so a re-prefill after a preemption does not count as a lookup again.
+    num_cached_tokens: int = -1
     # Prefix-cache hashes of the sequence's full blocks, in order; extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
     # Tie-breaker for "newest": forks inherit their parent's arrival and get a later sub-order.
@@ -54,6 +58,9 @@ class Sequence:
     # Slots of max_num_seqs this sequence claims: itself plus the samples still to be forked from
     # it (n > 1, beams). Each fork moves one slot to the child (``Scheduler.fork``).
     reserved_seqs: int = 1
+    # Prompt logprobs are asked for: every prompt token's logits are computed (no prefix-cache
+    # hits), and the step returns the logits of each prompt position it computes.
+    prompt_logits: bool = False
     # token_ids is prompt + output, kept as one list so decode steps never concatenate.
     token_ids: list[int] = field(init=False)
     # len(token_ids) at which the sequence is finished with reason "length": prompt + max_tokens
@@ -106,6 +113,7 @@ class Sequence:
             output_token_ids=list(self.output_token_ids),
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
             block_hashes=list(self.block_hashes),
         )
         return child

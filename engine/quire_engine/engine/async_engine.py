@@ -54,10 +54,15 @@ from quire_engine.core.config import EngineConfig
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine.llm_engine import LLMEngine
-from quire_engine.engine.metrics import ServerMetrics, StatsRecorder
+from quire_engine.engine.metrics import EngineFacts, ServerMetrics
+from quire_engine.engine.recorder import StatsRecorder
 from quire_engine.engine.request_handle import EngineUnavailable, RequestHandle, Sink
+from quire_engine.engine.startup import StartupPhase
+from quire_engine.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 1.0  # while idle, how often the engine thread checks the tensor-parallel ranks
 
 STOP_TIMEOUT_S = 30.0
 
@@ -79,6 +84,9 @@ class ModelInfo:
     tokenizer: PreTrainedTokenizerBase
     # generation_config.json's sampling values, for request fields left unset.
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    vocab_size: int = 0  # the model's (token ids must be below it)
+    # Structured outputs: the engine's compiled grammars (compile() is thread-safe).
+    grammars: GrammarCache | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +96,8 @@ class _Add:
     params: list[SamplingParams]
     arrival: float  # time.monotonic() when the HTTP request arrived
     future: asyncio.Future[None]
+    beam_width: int | None = None  # beam search of this width instead of sampling
+    cache_salt: str | None = None  # isolates the request's prefix-cache entries
 
 
 @dataclass(slots=True)
@@ -218,6 +228,8 @@ class AsyncEngine:
         params: list[SamplingParams],
         *,
         arrival: float | None = None,
+        beam_width: int | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue one engine request per prompt; ``ValueError`` (nothing queued) for input the
         engine rejects, ``EngineUnavailable`` when it cannot take requests now."""
@@ -236,7 +248,9 @@ class AsyncEngine:
         # Registered on the event loop before the command is queued: if the engine dies before
         # answering it, _fail_all (also on the event loop) answers it instead.
         self._submits.add(future)
-        self._commands.put(_Add(ids, prompts, params, arrival or time.monotonic(), future))
+        self._commands.put(
+            _Add(ids, prompts, params, arrival or time.monotonic(), future, beam_width, cache_salt)
+        )
         try:
             await future
         except BaseException as exc:
@@ -369,12 +383,19 @@ class AsyncEngine:
         started = time.monotonic()
         try:
             engine = self._factory(self.config)
-            _warm_up(engine)
-            recorder = StatsRecorder(self.metrics, engine.scheduler.stats())
+            with engine.startup.phase(StartupPhase.WARMUP):
+                _warm_up(engine)
             tokenizer = copy.deepcopy(engine.tokenizer)
             self.info = ModelInfo(
-                engine.model_name, engine.max_model_len, tokenizer, engine.sampling_defaults
+                engine.model_name,
+                engine.max_model_len,
+                tokenizer,
+                engine.sampling_defaults,
+                engine.vocab_size,
+                engine.grammars,
             )
+            engine.startup.ready()
+            recorder = StatsRecorder(self.metrics, engine.scheduler.stats(), EngineFacts.of(engine))
             self.state = EngineState.READY
             logger.info(
                 "engine ready in %.1f s (load + warm-up): model %s, max_model_len %d",
@@ -415,7 +436,7 @@ class AsyncEngine:
         try:
             if block:
                 self._idle = True  # nothing pending: no progress is due while blocked
-                command = self._commands.get()
+                command = self._next_command(engine)
                 self._last_progress = time.monotonic()
                 self._idle = False
             else:
@@ -444,13 +465,29 @@ class AsyncEngine:
             self._post(self._resolve, resolutions)
         return keep_going
 
+    def _next_command(self, engine: LLMEngine) -> Any:
+        """Wait for a command, checking the engine's health (its tensor-parallel ranks) every
+        ``HEALTH_POLL_S`` meanwhile: a rank that died while idle kills the engine now, not at
+        the next request."""
+        while True:
+            try:
+                return self._commands.get(timeout=HEALTH_POLL_S)
+            except queue.Empty:
+                engine.check_health()
+
     def _add(self, engine: LLMEngine, recorder: StatsRecorder, command: _Add) -> Exception | None:
         added: list[str] = []
         try:
             for rid, prompt, params in zip(
                 command.request_ids, command.prompts, command.params, strict=True
             ):
-                engine.add_request(rid, prompt, params)
+                engine.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    cache_salt=command.cache_salt,
+                    beam_width=command.beam_width,
+                )
                 added.append(rid)
         except Exception as exc:  # ValueError: bad input (400); anything else: a bug (500)
             if not isinstance(exc, ValueError):
@@ -458,8 +495,8 @@ class AsyncEngine:
             for rid in added:  # all prompts of a request or none
                 engine.abort_request(rid)
             return exc
-        for rid, prompt in zip(added, command.prompts, strict=True):
-            recorder.added(rid, len(prompt), command.arrival)
+        for rid, prompt, params in zip(added, command.prompts, command.params, strict=True):
+            recorder.added(rid, len(prompt), params, command.arrival)
         return None
 
     def _apply_abort(self, engine: LLMEngine, recorder: StatsRecorder, command: _Abort) -> None:
@@ -483,6 +520,8 @@ class AsyncEngine:
                 recorder.refresh(engine.scheduler.stats())
             except Exception:  # a step died half-way; the state may be inconsistent
                 logger.exception("could not abort the remaining requests")
+        if engine is not None:
+            engine.close()  # tensor-parallel workers stop with the engine
         stopped = self.state is EngineState.STOPPED
         error = EngineUnavailable(
             "the server is shutting down" if stopped else "the engine loop died",

@@ -27,7 +27,7 @@ class LLM:
         """``engine_args`` are the fields of ``EngineConfig`` (the serve flags in snake_case):
         block_size, num_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
         preemption_mode, swap_space, max_num_seqs, max_num_batched_tokens, max_model_len,
-        device, dtype, seed. An unknown name raises ``ValueError``."""
+        device, dtype, seed, tensor_parallel_size. An unknown name raises ``ValueError``."""
         unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
         if unknown:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -76,6 +76,17 @@ class LLM:
             raise ValueError(f"beam_width must be >= 1; got {beam_width}")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         return self._run([(p, params, beam_width) for p in _as_prompt_list(prompts)])
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (also done when the ``LLM`` is collected
+        or the interpreter exits); the ``LLM`` is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def kv_cache_stats(self) -> PoolStats:
         """Device pool: total, used (referenced), cached-but-free and free blocks."""

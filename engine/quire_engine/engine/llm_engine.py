@@ -24,6 +24,7 @@ returns the sequence's blocks.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from itertools import compress
@@ -34,17 +35,26 @@ import torch
 
 from quire_engine.core import beam_search
 from quire_engine.core.beam_state import TopTokens
-from quire_engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quire_engine.core.detokenizer import find_stop
-from quire_engine.core.kv_cache_manager import max_blocks_held
 from quire_engine.core.outputs import CompletionOutput, Prefix, RequestOutput
 from quire_engine.core.request_table import Request, RequestTable, Sample
 from quire_engine.core.sampling_params import SamplingParams
-from quire_engine.core.scheduler import Scheduler, SchedulerOutput
+from quire_engine.core.scheduler import (
+    PromptLogitSpan,
+    Scheduler,
+    SchedulerOutput,
+    prompt_logit_spans,
+)
 from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from quire_engine.engine.startup import StartupPhase, StartupTimes
 from quire_engine.model import loader as model_loader
-from quire_engine.model.runner import CacheShape, ModelRunner, profile_peak_memory, size_pool
+from quire_engine.model.cache_plan import plan_cache
+from quire_engine.model.runner import ModelRunner
 from quire_engine.model.sampler import SampleResult, SampleRow, greedy_tokens, sample
+from quire_engine.parallel.group import WorkerGroup
+from quire_engine.structured import matchers
+from quire_engine.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -82,40 +92,47 @@ def check_placement(device: str, dtype: str) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, startup: StartupTimes | None = None) -> None:
+        """``startup``: the recorder of this engine's start-up phases (default: one counting
+        from now; ``serve`` passes one counting from process start)."""
         self.config = config
+        self.startup = startup if startup is not None else StartupTimes()
         self.device = model_loader.resolve_device(config.device)
         self.dtype = model_loader.resolve_dtype(config.dtype, self.device)
-        loaded = model_loader.load(config.model, self.device, self.dtype, config.chat_template)
+        # Tensor parallelism: this process is rank 0; the other ranks start first, as loading
+        # and sizing the pool are collective.
+        self.parallel = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        # The workers stop with the engine, even one never closed (or at interpreter exit).
+        self._stop_workers = weakref.finalize(self, self.parallel.close) if self.parallel else None
+        try:
+            self._load(config)
+        except BaseException:
+            self.close()
+            raise
+        self.requests = RequestTable(self.scheduler, self.tokenizer)
+        # Structured outputs: compiled grammars, shared with the server's compile thread.
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._rng = torch.Generator().manual_seed(config.seed)
+
+    def _load(self, config: EngineConfig) -> None:
+        comm = self.parallel.comm if self.parallel is not None else None
+        phase = self.startup.phase
+        # A wait for a shared model cache goes here, inside phase(StartupPhase.MODEL_CACHE).
+        with phase(StartupPhase.WEIGHTS):
+            loaded = model_loader.load(
+                config.model, self.device, self.dtype, config.chat_template, comm
+            )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         # The tokenizer's EOS and generation_config.json's eos_token_id list.
         self.eos_token_ids: frozenset[int] = frozenset(loaded.eos_token_ids)
         self.sampling_defaults = loaded.sampling_defaults
         self.vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009
-        max_len = config.max_model_len or loaded.max_position_embeddings
-        if max_len > loaded.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds {loaded.context_limit}")
+        with phase(StartupPhase.KV_PROFILE):
+            cache = plan_cache(config, loaded, self.device, self.dtype, comm)
+        max_len, batched, shape = cache.max_model_len, cache.max_num_batched_tokens, cache.shape
+        num_blocks, num_cpu_blocks = cache.num_blocks, cache.num_cpu_blocks
         self.max_model_len = max_len
-        batched = config.max_num_batched_tokens or max(2048, min(max_len, 8192))
-        shape = CacheShape.of(loaded.model, config.block_size, self.dtype)
-        explicit = config.num_blocks is not None or config.kv_cache_memory is not None
-        peak = None
-        if self.device.type == "cuda" and not explicit:
-            peak = profile_peak_memory(loaded.model, batched, config.max_num_seqs, self.device)
-        num_blocks = size_pool(
-            shape=shape,
-            device=self.device,
-            num_blocks=config.num_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            profile_peak_bytes=peak,
-            min_tokens=max_len,
-            min_blocks=max_blocks_held(max_len, batched, config.block_size, loaded.sliding_window),
-        )
-        num_cpu_blocks = 0
-        if config.preemption_mode is PreemptionMode.SWAP:
-            num_cpu_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, batched, max_len, config.preemption_mode),
             CacheConfig(
@@ -126,24 +143,39 @@ class LLMEngine:
                 sliding_window=loaded.sliding_window,
             ),
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            shape,
-            num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            device=self.device,
-            layers=loaded.layers,
-        )
+        with phase(StartupPhase.KV_ALLOCATE):
+            self.runner = ModelRunner(
+                loaded.model,
+                shape,
+                num_blocks=num_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                device=self.device,
+                layers=loaded.layers,
+                native_linears=comm is None,
+            )
+        if self.parallel is not None:
+            self.runner.publish = self.parallel.publish
         logger.info(
-            "KV pool: %d blocks x %d tokens (%.1f MiB), %d CPU swap blocks, max_model_len %d",
+            "KV pool: %d blocks x %d tokens (%.1f MiB per rank), %d CPU swap blocks, "
+            "max_model_len %d, tensor_parallel_size %d",
             num_blocks,
             config.block_size,
             num_blocks * shape.bytes_per_block / 2**20,
             num_cpu_blocks,
             max_len,
+            config.tensor_parallel_size,
         )
-        self.requests = RequestTable(self.scheduler, self.tokenizer)
-        self._rng = torch.Generator().manual_seed(config.seed)
+
+    def check_health(self) -> None:
+        """``RuntimeError`` when a tensor-parallel rank has exited (between steps; a rank that
+        dies during a step makes that step raise)."""
+        if self.parallel is not None:
+            self.parallel.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; the engine is unusable after)."""
+        if self._stop_workers is not None:
+            self._stop_workers()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -177,21 +209,39 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         width = self._check_fit(params, beam_width)
         text, ids = self.tokenize(prompt)
+        compiled = None
+        if params.constraint is not None:
+            if beam_width is not None:
+                raise ValueError("structured outputs do not combine with beam search")
+            compiled = self.grammars.compile(params.constraint)  # a cache hit when served
         beam = None
         if beam_width is not None:
             beam = beam_search.BeamState(beam_width, ignore_eos=params.ignore_eos)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        req = Request(request_id, text, ids, params, beam=beam, stop_ids=stop_ids)
+        req = Request(
+            request_id,
+            text,
+            ids,
+            params,
+            beam=beam,
+            stop_ids=stop_ids,
+            bad_words=self._bad_words(params.bad_words),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            grammar=compiled,
+        )
         seq = Sequence(
             f"{request_id}/0",
             ids,
             max_tokens=params.max_tokens,
             cache_salt=cache_salt,
             reserved_seqs=width,
+            prompt_logits=params.prompt_logprobs is not None,
         )
         first = self.requests.new_sample(req, seq, 0, self._fork_generator(req, 0))
+        if compiled is not None:
+            first.grammar = matchers.new_matcher(compiled)
         self.requests.add(req, first)  # the scheduler's checks; nothing changed if it raises
         if req.beam is not None:
             req.beam.active.append(seq.seq_id)
@@ -205,10 +255,26 @@ class LLMEngine:
         limit = self.scheduler.config.max_num_seqs
         if width > limit:
             raise ValueError(f"{name}={width} exceeds max_num_seqs={limit}")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+        ):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {self.vocab_size}); got {bad[:5]}")
         return width
+
+    def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, as vLLM takes them: the word alone and with a leading
+        space (how it appears after another word)."""
+        out: set[tuple[int, ...]] = set()
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids:
+                    out.add(ids)
+        return tuple(sorted(out))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state and free its blocks. Unknown ids are ignored."""
@@ -232,7 +298,18 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits = self.runner.execute(out)  # [num_sampling_seqs, vocab]
+        spans = prompt_logit_spans(out) if self.requests.num_prompt_logprobs else []
+        # [num_sampling_seqs (+ prompt rows), vocab]
+        try:
+            logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
+        except Exception as exc:
+            if self.parallel is not None:
+                self.parallel.blame(exc)  # name the rank that died, if one did
+            raise
+        if spans:
+            num_sampling = len(logits) - sum(s.rows for s in spans)
+            self._record_prompt_logprobs(spans, logits[num_sampling:])
+            logits = logits[:num_sampling]
         if self.requests.all_plain_greedy:
             return self._step_plain_greedy(out, logits)
 
@@ -298,6 +375,17 @@ class LLMEngine:
             if req.error is None and req.request_id in self.requests:
                 self._isolated(req, self._beam_logits, req, seq, logits[i])
         return [self._output(req) for req in touched.values()]
+
+    def _record_prompt_logprobs(self, spans: list[PromptLogitSpan], logits: torch.Tensor) -> None:
+        """Append the prompt logprobs these rows give, for positions not recorded yet (a
+        recomputed prompt computes them again)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        row = 0
+        for span in spans:
+            req, _ = self.requests.owner(span.seq.seq_id)
+            rows = logprobs[row : row + span.rows]
+            row += span.rows
+            self._isolated(req, _append_prompt_logprobs, req, span, rows)
 
     def _step_plain_greedy(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """The rest of a step in which every live request is one plain greedy stream (the common
@@ -367,12 +455,29 @@ class LLMEngine:
         fail (their rows get token 0, never used). A request whose generator advanced in the
         failed batched attempt draws differently in that one step."""
         rows = [
-            SampleRow(req.params, gen, smp.seq.output_token_ids) for req, smp, _, _, gen in plan
+            SampleRow(
+                req.params,
+                gen,
+                smp.seq.output_token_ids,
+                req.prompt_token_ids,
+                req.stop_ids,
+                req.bad_words,
+            )
+            for req, smp, _, _, gen in plan
         ]
         live = [k for k, (req, _, _, _, _) in enumerate(plan) if req.error is None]
         results: list[Sampled] = [_NOTHING] * len(plan)
         if not live:
             return results
+        # Structured outputs: one batched bitmask for every constrained row (a row forked this
+        # step masks with its parent's matcher: both stand at the first token).
+        constrained = [k for k in live if plan[k].sample.grammar is not None]
+        if constrained:
+            bitmask = matchers.fill_bitmask(
+                [plan[k].sample.grammar for k in constrained], self.vocab_size
+            )
+            for g, k in enumerate(constrained):
+                rows[k].token_mask = bitmask[g]
         try:
             _scatter(
                 results,
@@ -405,6 +510,9 @@ class LLMEngine:
             else self.requests.fork(req, smp, f"{req.request_id}/{j}", j, gen, last_token=tok)
             for (_, smp, j, _, gen), (tok, _, _) in rows
         ]
+        if req.grammar is not None:  # each fork's own matcher, at the first token like its parent
+            for stream in streams[1:]:
+                stream.grammar = matchers.new_matcher(req.grammar)
         for stream, (_, (tok, lp, top)) in zip(streams, rows, strict=True):
             self._emit_token(req, stream, tok, lp, top)
 
@@ -433,10 +541,15 @@ class LLMEngine:
         if top is not None and smp.logprobs is not None:
             smp.logprobs.append(top)
         new_text = smp.detok.add(token)
+        grammar = smp.grammar
+        if grammar is not None and not matchers.accept(grammar, token):
+            raise RuntimeError(f"token {token} is outside the request's grammar")
         if (token in req.stop_ids or req.params.stop) and self._stopped(
             req, smp, token, len(new_text)
         ):
             return
+        if grammar is not None and matchers.terminated(grammar) and not smp.seq.is_finished:
+            self.scheduler.finish(smp.seq, FinishReason.STOP)  # complete (ignore_eos aside)
         if smp.seq.status is _FINISHED:
             smp.finish_reason = smp.seq.finish_reason
 
@@ -481,7 +594,7 @@ class LLMEngine:
             self.requests.remove(req)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, [_report(smp, finished)], finished,
-            req.error,
+            req.error, smp.seq.num_cached_tokens, req.prompt_logprobs,
         )  # fmt: skip
 
     def _output(self, req: Request) -> RequestOutput:
@@ -496,9 +609,37 @@ class LLMEngine:
             outputs = beam_search.outputs(self.tokenizer, req.beam) if finished else []
         else:
             outputs = [_report(s, finished) for s in sorted(req.samples, key=_index)]
+        cached = req.samples[0].seq.num_cached_tokens if req.samples else 0
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.error
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outputs,
+            finished,
+            req.error,
+            cached,
+            req.prompt_logprobs,
         )
+
+
+def _append_prompt_logprobs(req: Request, span: PromptLogitSpan, logprobs: torch.Tensor) -> None:
+    """``logprobs`` [span.rows, vocab]: row k predicts prompt token ``span.first + k + 1``."""
+    recorded = req.prompt_logprobs
+    assert recorded is not None
+    skip = len(recorded) - (span.first + 1)  # rows whose positions are already recorded
+    if skip >= span.rows:
+        return
+    rows = logprobs[max(skip, 0) :]
+    targets = req.prompt_token_ids[span.first + 1 + max(skip, 0) : span.first + 1 + span.rows]
+    ids = torch.tensor(targets, device=rows.device).unsqueeze(1)
+    chosen = rows.gather(1, ids).squeeze(1).tolist()
+    k = req.params.prompt_logprobs or 0
+    top_values, top_ids = rows.topk(k) if k else (None, None)
+    for n, (token, lp) in enumerate(zip(targets, chosen, strict=True)):
+        entry = {token: lp}
+        if top_values is not None and top_ids is not None:
+            entry.update(zip(top_ids[n].tolist(), top_values[n].tolist(), strict=True))
+        recorded.append(entry)
 
 
 def _not_token(t: object, vocab_size: int) -> bool:

@@ -1,36 +1,33 @@
 """Prometheus metrics of the server, each declared once (the reference, docs/metrics.md, is
-generated from this registry), plus the recorder that feeds them from the engine thread.
+generated from this registry).
 
 ``ServerMetrics`` owns one ``CollectorRegistry`` per app (never the global one), so tests and
-benchmarks can build several servers in one process. Every series carries ``model_name``.
-
-``StatsRecorder`` is owned by the engine thread (see ``async_engine``): it is the only writer, and
-it is handed a ``SchedulerStats`` snapshot taken on that thread right after a step or after
-commands were applied, so the gauges describe a consistent state, and it never holds the live
-scheduler. prometheus-client's own locks make the
-scrape from the event-loop thread safe. The recorder also writes the one log line per finished
-request and the (rate-limited) preemption warnings.
+benchmarks can build several servers in one process. Every ``quire_*`` series carries
+``model_name``. With ``vllm=True`` (the default) the registry also exposes vLLM's names for the
+same data (``vllm_metrics``): routers, dashboards and benchmark tools written for vLLM read them
+unchanged. ``StatsRecorder`` (``recorder``) is the only writer, on the engine thread.
 """
 
 from __future__ import annotations
 
-import bisect
 import gc
-import logging
-import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily, Metric
 
-from quire_engine.core.config import PreemptionMode
-from quire_engine.core.outputs import RequestOutput
-from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, SchedulerStats
+from quire_engine.core.config import CacheConfig, PreemptionMode
+from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE
 from quire_engine.core.sequence import FinishReason
+from quire_engine.engine import vllm_metrics
+from quire_engine.engine.histogram import BatchHistogram, Exposure, buckets_1_2_5
+from quire_engine.engine.startup import StartupPhase
+from quire_engine.engine.vllm_metrics import VllmCollector, VllmHistogram
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from quire_engine.engine.llm_engine import LLMEngine
 
 # Buckets for LLM serving: a decode step is milliseconds on a GPU and tens of milliseconds on a
 # CPU; a first token waits for the queue and a whole prefill (up to seconds under load); a request
@@ -42,298 +39,230 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 # A young collection is about half a millisecond in a loaded server on a small CPU; a full one
 # over an unfrozen heap of torch, transformers and a model is a quarter of a second.
 GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-# A warning per preemption would flood the log exactly when the server is overloaded.
-PREEMPTION_WARNING_INTERVAL_S = 10.0
+TOKEN_BUCKETS_DOC = " Buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."
 
 
-class BatchHistogram:
-    """A Prometheus histogram that takes many equal observations at once (``observe_many``).
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the metrics need to know of the loaded engine: token counts are bucketed up to
+    ``max_model_len``, and ``vllm:cache_config_info`` describes the pool."""
 
-    The inter-token latency has one observation per running sample per step, and within a step
-    most of them are equal (the time since the previous step). ``prometheus_client.Histogram``
-    costs one call, a scan of the bounds and two locks per observation (about 1.4 ms per step at
-    256 sequences, more than the step itself); here a step's observations are grouped by value
-    and applied under one lock. Exposed like ``Histogram`` (``_bucket`` with ``le``, ``_count``,
-    ``_sum``) by a collector that reads it under the same lock, so a scrape never sees a step
-    half applied."""
+    max_model_len: int
+    cache: CacheConfig
+    gpu_memory_utilization: float
+    swap_space: float
+    startup: Mapping[StartupPhase, float] = field(default_factory=dict)  # seconds per phase
 
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        buckets: tuple[float, ...],
-        model_name: str,
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.bounds = [float(b) for b in buckets if b != float("inf")]
-        self.model_name = model_name
-        self._counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative); last: +Inf
-        self._sum = 0.0
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe_many(self, counts: dict[float, int]) -> None:
-        """Observe each value ``counts[value]`` times."""
-        bounds = self.bounds
-        with self._lock:
-            for value, n in counts.items():
-                self._counts[bisect.bisect_left(bounds, value)] += n  # le: value <= bound
-                self._sum += value * n
-
-    def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
-        cumulative, buckets = 0, []
-        for bound, n in zip([*self.bounds, float("inf")], counts, strict=True):
-            cumulative += n
-            buckets.append((_le(bound), float(cumulative)))
-        family.add_metric([self.model_name], buckets, total)
-        return [family]
-
-
-def _le(bound: float) -> str:
-    """A bucket bound as Prometheus client libraries write it (``0.5``, ``1.0``, ``+Inf``)."""
-    return "+Inf" if bound == float("inf") else repr(float(bound))
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        config = engine.config
+        return cls(
+            engine.max_model_len,
+            engine.scheduler.cache_config,
+            config.gpu_memory_utilization,
+            config.swap_space,
+            dict(engine.startup.seconds),
+        )
 
 
 class ServerMetrics:
     """The metric objects, already bound to this server's ``model_name``."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, vllm: bool = True) -> None:
         self.model_name = model_name
+        self.vllm = vllm
         self.registry = CollectorRegistry()
-        reg = self.registry
-        name = ["model_name"]
+        self._plain: list[Gauge | Counter] = []  # what the vLLM gauges and counters read
+        self._vllm_histograms: list[tuple[str, VllmHistogram]] = []
+        self._token_histograms: list[BatchHistogram] = []  # bucketed up to max_model_len
 
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(metric, doc, name, registry=reg).labels(model_name)
-
-        def counter(metric: str, doc: str) -> Counter:
-            return Counter(metric, doc, name, registry=reg).labels(model_name)
-
-        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(metric, doc, name, buckets=buckets, registry=reg).labels(model_name)
-
-        self.kv_usage = gauge("quire_kv_cache_usage_ratio", "Used KV blocks / total blocks (0-1).")
-        self.kv_demand = gauge(
+        self.kv_usage = self._gauge(
+            "quire_kv_cache_usage_ratio", "Used KV blocks / total blocks (0-1)."
+        )
+        self.kv_demand = self._gauge(
             "quire_kv_cache_demand_ratio",
             "(Used KV blocks + blocks unfinished requests still need for their known tokens and "
             f"{KV_DEMAND_OUTPUT_SHARE:g} of their remaining max_tokens) / total blocks; > 1 means "
             "queueing or preemption ahead.",
         )
-        self.kv_blocks_capacity = gauge("quire_kv_blocks_capacity", "KV blocks in the device pool.")
-        self.kv_blocks_free = gauge(
+        self.kv_blocks_capacity = self._gauge(
+            "quire_kv_blocks_capacity", "KV blocks in the device pool."
+        )
+        self.kv_blocks_free = self._gauge(
             "quire_kv_blocks_free", "Unreferenced KV blocks (including cached prefixes)."
         )
-        self.running = gauge("quire_num_requests_running", "Sequences running on the device.")
-        self.waiting = gauge("quire_num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.swapped = gauge("quire_num_requests_swapped", "Sequences swapped out to CPU.")
-        self._preemptions = Counter(
+        self.running = self._gauge("quire_num_requests_running", "Sequences running on the device.")
+        self.waiting = self._gauge(
+            "quire_num_requests_waiting", "Sequences waiting to be scheduled."
+        )
+        self.swapped = self._gauge("quire_num_requests_swapped", "Sequences swapped out to CPU.")
+        preemptions = self._counter_family(
             "quire_preemptions_total",
             "Sequences preempted because the KV pool ran dry.",
-            ["model_name", "mode"],
-            registry=reg,
+            "mode",
         )
         self.preemptions = {
-            mode: self._preemptions.labels(model_name, mode.value) for mode in PreemptionMode
+            mode: preemptions.labels(model_name, mode.value) for mode in PreemptionMode
         }
-        self.prefix_queries = counter(
-            "quire_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        self.prefix_queries = self._counter(
+            "quire_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache when a request is first scheduled (not "
+            "again after a preemption, when a request mostly finds its own blocks).",
         )
-        self.prefix_hits = counter(
-            "quire_prefix_cache_hits_total", "Prompt tokens found in the prefix cache."
+        self.prefix_hits = self._counter(
+            "quire_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache when a request is first scheduled.",
         )
-        self.prompt_tokens = counter("quire_prompt_tokens_total", "Prefilled prompt tokens.")
-        self.generation_tokens = counter("quire_generation_tokens_total", "Generated tokens.")
-        self._success = Counter(
+        self.prompt_tokens = self._counter(
+            "quire_prompt_tokens_total",
+            "Prompt tokens of requests that produced their first token.",
+        )
+        self.prompt_tokens_cached = self._counter(
+            "quire_prompt_tokens_cached_total",
+            "Of those, tokens served from the prefix cache (not computed).",
+        )
+        self.generation_tokens = self._counter("quire_generation_tokens_total", "Generated tokens.")
+        self._success = self._counter_family(
             "quire_request_success_total",
             "Finished requests by finish reason (stop, length, abort).",
-            ["model_name", "finished_reason"],
-            registry=reg,
-        )
-        self.ttft = histogram(
-            "quire_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
-        )
-        self.itl = BatchHistogram(
-            "quire_inter_token_latency_seconds",
-            "Time between tokens of a sample.",
-            ITL_BUCKETS,
-            model_name,
-            reg,
-        )
-        self.e2e = histogram(
-            "quire_e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS
-        )
-        self.queue_time = histogram(
-            "quire_request_queue_time_seconds", "Arrival to first scheduled.", QUEUE_BUCKETS
+            "finished_reason",
         )
         for reason in FinishReason:  # export zeros before the first request
             self._success.labels(model_name, reason)
 
+        self.ttft = self._histogram(
+            "quire_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            "quire_inter_token_latency_seconds", "Time between tokens of a sample.", ITL_BUCKETS
+        )
+        self.time_per_output_token = self._histogram(
+            "quire_request_time_per_output_token_seconds",
+            "Per finished request with two tokens or more: decode time / (tokens of its longest "
+            "sample - 1).",
+            ITL_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "quire_e2e_request_latency_seconds",
+            "Per finished request: arrival to last token.",
+            E2E_BUCKETS,
+        )
+        self.queue_time = self._histogram(
+            "quire_request_queue_time_seconds", "Arrival to first scheduled.", QUEUE_BUCKETS
+        )
+        self.prefill_time = self._histogram(
+            "quire_request_prefill_time_seconds",
+            "Per finished request: first scheduled to first token (preemptions included).",
+            TTFT_BUCKETS,
+        )
+        self.decode_time = self._histogram(
+            "quire_request_decode_time_seconds",
+            "Per finished request: first token to last token (preemptions included).",
+            E2E_BUCKETS,
+        )
+        self.inference_time = self._histogram(
+            "quire_request_inference_time_seconds",
+            "Per finished request: first scheduled to last token.",
+            E2E_BUCKETS,
+        )
+        self.request_prompt_tokens = self._token_histogram(
+            "quire_request_prompt_tokens", "Per finished request: prompt tokens."
+        )
+        self.request_generation_tokens = self._token_histogram(
+            "quire_request_generation_tokens",
+            "Per finished request: generated tokens (all its samples).",
+        )
+        self.request_max_generation_tokens = self._token_histogram(
+            "quire_request_max_num_generation_tokens",
+            "Per finished request: generated tokens of its longest sample.",
+        )
+        self.request_n = self._histogram(
+            "quire_request_params_n",
+            "Per finished request: the n parameter (parallel samples).",
+            vllm_metrics.PARAMS_N_BUCKETS,
+        )
+        self.request_max_tokens = self._token_histogram(
+            "quire_request_params_max_tokens", "Per finished request: the max_tokens parameter."
+        )
+        self.request_computed_tokens = self._token_histogram(
+            "quire_request_prefill_kv_computed_tokens",
+            "Per finished request: prompt tokens computed (not served from the prefix cache).",
+        )
+        self.iteration_tokens = self._histogram(
+            "quire_iteration_tokens",
+            "Per engine step: prompt tokens of the requests that got their first token plus the "
+            "tokens generated (vLLM's definition).",
+            vllm_metrics.ITERATION_TOKEN_BUCKETS,
+        )
+        # No vLLM twin: vLLM logs its start-up times but exports none.
+        self._startup = Gauge(
+            "quire_startup_seconds",
+            "Seconds the engine took to start, by phase, set once when it is ready: imports "
+            "(process start to serve starting its engine), model_cache (waiting for a shared "
+            "model cache; only when it waits), weights (config, tokenizer and weights onto the "
+            "device), kv_profile (sizing the KV pool), kv_allocate (the KV pool and the runner), "
+            "warmup (one request through the engine), ready (process start to ready to serve; "
+            "at least the sum of the others).",
+            ["model_name", "phase"],
+            registry=self.registry,
+        )
+        self.vllm_collector: VllmCollector | None = None
+        if vllm:
+            self.vllm_collector = VllmCollector(model_name, self._plain)
+            self.registry.register(self.vllm_collector)
+
     def success(self, reason: FinishReason) -> Counter:
         return self._success.labels(self.model_name, reason)
 
-
-@dataclass(slots=True)
-class _Timeline:
-    """What the recorder remembers of one live engine request (one prompt)."""
-
-    arrival: float
-    num_prompt_tokens: int
-    first_token: float | None = None
-    last_token: dict[int, float] = field(default_factory=dict)  # per sample index
-    seen: dict[int, int] = field(default_factory=dict)  # tokens already counted, per sample
-
-
-class StatsRecorder:
-    """Turns engine steps into metric updates and log lines. Engine thread only."""
-
-    def __init__(self, metrics: ServerMetrics, stats: SchedulerStats) -> None:
-        self.metrics = metrics
-        self._stats = stats
-        self._live: dict[str, _Timeline] = {}  # timestamps are time.monotonic() seconds
-        self._queued: dict[str, _Timeline] = {}  # live and never scheduled yet
-        # Counters in the scheduler and the pool are cumulative (and include the warmup request):
-        # only their growth since the last look is added to the Prometheus counters.
-        self._seen_preemptions = dict(stats.num_preemptions)
-        self._seen_queries = stats.prefix_queries
-        self._seen_hits = stats.prefix_hits
-        self._unreported: dict[PreemptionMode, int] = dict.fromkeys(PreemptionMode, 0)
-        self._last_warning = float("-inf")
-        self.refresh(stats)
-
-    def is_live(self, request_id: str) -> bool:
-        return request_id in self._live
-
-    def added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
-        line = _Timeline(arrival, num_prompt_tokens)
-        self._live[request_id] = self._queued[request_id] = line
-
-    def aborted(self, request_id: str, now: float) -> None:
-        self._queued.pop(request_id, None)
-        line = self._live.pop(request_id, None)
-        if line is not None:
-            self.metrics.success(FinishReason.ABORT).inc()
-            self._log_finished(request_id, line, FinishReason.ABORT, now)
-
-    def step(
-        self, outputs: list[RequestOutput], start: float, end: float, stats: SchedulerStats
-    ) -> None:
-        """Account for one ``engine.step()`` that ran from ``start`` to ``end``, after which the
-        scheduler's state was ``stats``; also refreshes the gauges from it."""
-        self._stats = stats
-        m = self.metrics
-        progressed = {out.request_id for out in outputs}
-        for rid in [r for r in self._queued if r in progressed or self._left_queue(r)]:
-            m.queue_time.observe(max(0.0, start - self._queued.pop(rid).arrival))
-        # Once per request per step: counters and the inter-token histogram are added up here
-        # and applied once per step.
-        itl: dict[float, int] = {}
-        generated = prompts = 0
-        for out in outputs:
-            line = self._live.get(out.request_id)
-            if line is None:
-                continue
-            new_tokens = 0
-            for sample in out.outputs:
-                count = len(sample.token_ids)
-                fresh = count - line.seen.get(sample.index, 0)
-                if fresh <= 0:
-                    continue
-                new_tokens += fresh
-                line.seen[sample.index] = count
-                previous = line.last_token.get(sample.index)
-                if previous is not None:
-                    gap = end - previous
-                    itl[gap] = itl.get(gap, 0) + 1
-                line.last_token[sample.index] = end
-            if new_tokens and line.first_token is None:
-                line.first_token = end
-                m.ttft.observe(end - line.arrival)
-                prompts += line.num_prompt_tokens
-            generated += new_tokens
-            if out.finished:
-                del self._live[out.request_id]
-                reason = (
-                    out.outputs[0].finish_reason if out.outputs else None
-                ) or FinishReason.ABORT
-                m.e2e.observe(end - line.arrival)
-                m.success(reason).inc()
-                self._log_finished(out.request_id, line, reason, end)
-        if itl:
-            m.itl.observe_many(itl)
-        if generated:
-            m.generation_tokens.inc(generated)
-        if prompts:
-            m.prompt_tokens.inc(prompts)
-        self._count_cache_and_preemptions(end)
-        self.refresh(stats)
-
-    def refresh(self, stats: SchedulerStats) -> None:
-        """Gauges from a snapshot of the scheduler and pool state."""
-        self._stats = stats
-        m, pool = self.metrics, stats.pool
-        m.kv_usage.set(pool.usage)
-        m.kv_demand.set(stats.kv_demand_blocks / pool.total)
-        m.kv_blocks_capacity.set(pool.total)
-        m.kv_blocks_free.set(pool.free)
-        m.running.set(stats.num_running)
-        m.waiting.set(stats.num_waiting)
-        m.swapped.set(stats.num_swapped)
-
-    def _left_queue(self, request_id: str) -> bool:
-        # The engine names a request's first sequence "<request_id>/0"; it leaves WAITING when the
-        # scheduler first gives it blocks (possibly for the first chunk of a chunked prefill), or
-        # when it ends without ever running.
-        return f"{request_id}/0" not in self._stats.waiting_ids
-
-    def _count_cache_and_preemptions(self, now: float) -> None:
-        m, stats = self.metrics, self._stats
-        m.prefix_queries.inc(stats.prefix_queries - self._seen_queries)
-        m.prefix_hits.inc(stats.prefix_hits - self._seen_hits)
-        self._seen_queries, self._seen_hits = stats.prefix_queries, stats.prefix_hits
-        for mode, total in stats.num_preemptions.items():
-            fresh = total - self._seen_preemptions[mode]
-            if fresh:
-                m.preemptions[mode].inc(fresh)
-                self._unreported[mode] += fresh
-                self._seen_preemptions[mode] = total
-        if any(self._unreported.values()) and (
-            now - self._last_warning >= PREEMPTION_WARNING_INTERVAL_S
-        ):
-            self._last_warning = now
-            counts = ", ".join(f"{mode.value}={n}" for mode, n in self._unreported.items())
-            totals = ", ".join(f"{mode.value}={n}" for mode, n in stats.num_preemptions.items())
-            logger.warning(
-                "KV cache full: preempted %s since the last warning (total %s); running=%d "
-                "waiting=%d swapped=%d kv_usage=%.2f. Sustained preemption means overload: "
-                "add replicas or KV memory, or lower --max-num-seqs",
-                counts,
-                totals,
-                stats.num_running,
-                stats.num_waiting,
-                stats.num_swapped,
-                stats.pool.usage,
+    def engine_ready(self, facts: EngineFacts) -> None:
+        """Called once, on the engine thread, when the engine is loaded and before it serves."""
+        for phase, seconds in facts.startup.items():
+            self._startup.labels(self.model_name, phase).set(seconds)
+        bounds = buckets_1_2_5(facts.max_model_len)
+        for histogram in self._token_histograms:
+            histogram.set_bounds(bounds)
+        if self.vllm_collector is not None:
+            self.vllm_collector.set_cache_config(
+                vllm_metrics.cache_config_labels(
+                    facts.cache, facts.gpu_memory_utilization, facts.swap_space
+                )
             )
-            self._unreported = dict.fromkeys(PreemptionMode, 0)
 
-    @staticmethod
-    def _log_finished(request_id: str, line: _Timeline, reason: FinishReason, now: float) -> None:
-        ttft = "-" if line.first_token is None else f"{line.first_token - line.arrival:.3f}s"
-        logger.info(
-            "request %s finished: reason=%s prompt_tokens=%d generation_tokens=%d ttft=%s "
-            "e2e=%.3fs",
-            request_id,
-            reason,
-            line.num_prompt_tokens,
-            sum(line.seen.values()),
-            ttft,
-            now - line.arrival,
-        )
+    def vllm_twins(self) -> list[vllm_metrics.Twin]:
+        """Every exposed ``vllm:*`` family with its ``quire_*`` twin (empty with ``vllm=False``)."""
+        return vllm_metrics.twins(self._vllm_histograms) if self.vllm else []
+
+    # ---- declaration helpers -------------------------------------------------------------
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        family = Gauge(name, doc, ["model_name"], registry=self.registry)
+        self._plain.append(family)
+        return family.labels(self.model_name)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return self._counter_family(name, doc).labels(self.model_name)
+
+    def _counter_family(self, name: str, doc: str, *labels: str) -> Counter:
+        family = Counter(name, doc, ["model_name", *labels], registry=self.registry)
+        self._plain.append(family)
+        return family
+
+    def _histogram(
+        self, name: str, doc: str, buckets: tuple[float, ...], *, token_counts: bool = False
+    ) -> BatchHistogram:
+        exposures = [Exposure(name, doc, buckets, (("model_name", self.model_name),))]
+        twin = vllm_metrics.HISTOGRAMS.get(name) if self.vllm else None
+        if twin is not None:
+            labels = (("model_name", self.model_name), ("engine", vllm_metrics.ENGINE_INDEX))
+            twin_doc = twin.documentation + ("" if twin.bounds else TOKEN_BUCKETS_DOC)
+            exposures.append(Exposure(twin.name, twin_doc, twin.bounds, labels))
+            self._vllm_histograms.append((name, twin))
+        histogram = BatchHistogram(exposures, self.registry)
+        if token_counts:
+            self._token_histograms.append(histogram)
+        return histogram
+
+    def _token_histogram(self, name: str, doc: str) -> BatchHistogram:
+        return self._histogram(name, doc + TOKEN_BUCKETS_DOC, (), token_counts=True)
 
 
 class GcPauses:

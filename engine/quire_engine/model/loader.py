@@ -36,7 +36,8 @@ from transformers import (
 )
 
 from quire_engine.core.sampling_params import SamplingParams
-from quire_engine.model import attention, tiny_model
+from quire_engine.model import attention, sharding, tiny_model, weights
+from quire_engine.model.collectives import Collectives
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ SUPPORTED_ARCHITECTURES = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # generation_config.json fields that become default sampling values (as vLLM's
 # `--generation-config auto` does), mapped to SamplingParams names.
-_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     context_limit: str = "the model's max_position_embeddings"  # what sets the limit, and why
+    num_kv_heads: int | None = None  # this rank's KV heads under tensor parallelism
 
     @property
     def sliding_window(self) -> int | None:
@@ -119,13 +121,21 @@ def load(
     device: torch.device,
     dtype: torch.dtype,
     chat_template: str | None = None,
+    comm: Collectives | None = None,
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` as ``dtype``. ``chat_template`` (a Jinja template, or the
-    path of a file holding one) replaces the tokenizer's own."""
+    path of a file holding one) replaces the tokenizer's own. ``comm``: this rank's
+    tensor-parallel group; the model is then this rank's shard (``sharding``), read as slices
+    of the checkpoint's safetensors files."""
     started = time.monotonic()
+    world = comm.world if comm is not None else 1
     if model is None or model == TINY:
         # Always seed 0: "tiny" names one fixed model, whatever the engine's sampling seed.
-        net: Any = torch.nn.Module.to(tiny_model.build_tiny_model(seed=0), device, dtype)
+        net: Any = tiny_model.build_tiny_model(seed=0)
+        if comm is not None and world > 1:
+            full = weights.TensorSlices(dict(net.state_dict()), dtype)
+            sharding.shard_model(net, comm, full)
+        net = torch.nn.Module.to(net, device, dtype)
         tokenizer: PreTrainedTokenizerBase = tiny_model.build_tokenizer()
         name, limit, generation = TINY, int(net.config.max_position_embeddings), {}
         reason = f"the model's max_position_embeddings={limit}"
@@ -139,6 +149,8 @@ def load(
                 f"unsupported architecture {archs[0] if archs else None!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if world > 1:
+            sharding.check(config, world)  # before reading anything
         limit, reason = _context_limit(config)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -146,9 +158,16 @@ def load(
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from exc
         generation = _generation_config(path)
         logger.info("loading %s (%s) onto %s as %s", path, archs[0], device, dtype)
-        # transformers shows a progress bar over the weights while they load (stderr: the
-        # operator's pod logs carry it too).
-        net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # Safetensors are read tensor by tensor straight onto the device (``weights``); other
+        # checkpoints through transformers, which loads on the CPU (with a progress bar on
+        # stderr) before the model moves.
+        if comm is not None and world > 1:
+            net = weights.skeleton(config, dtype)
+            sharding.shard_model(net, comm, weights.SafetensorsSlices(path, dtype, device))
+        else:
+            net = weights.load_whole(path, config, dtype, device)
+            if net is None:
+                net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         net = torch.nn.Module.to(net, device).eval()
         name = str(path)
     if chat_template is not None:
@@ -157,7 +176,8 @@ def load(
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    layers = tuple(attention.inspect_layers(net, kv_heads, head_dim))
+    local_kv = sharding.local_kv_heads(cfg, world) if world > 1 else None
+    layers = tuple(attention.inspect_layers(net, local_kv or kv_heads, head_dim))
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos |= _ids(generation.get("eos_token_id"))
     defaults = {k: generation[k] for k in _SAMPLING_DEFAULTS if generation.get(k) is not None}
@@ -167,7 +187,9 @@ def load(
         SamplingParams(**defaults)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"generation_config.json of {name}: {exc}") from exc
-    loaded = LoadedModel(net, tokenizer, name, limit, layers, tuple(sorted(eos)), defaults, reason)
+    loaded = LoadedModel(
+        net, tokenizer, name, limit, layers, tuple(sorted(eos)), defaults, reason, local_kv
+    )
     logger.info(
         "model %s ready in %.1f s: %d layers (%s), EOS ids %s, sampling defaults %s",
         name,
@@ -178,6 +200,17 @@ def load(
         defaults or "none",
     )
     return loaded
+
+
+def check_tensor_parallel(model: str | None, world: int) -> None:
+    """``ValueError`` when ``model`` cannot be sharded over ``world`` ranks (``sharding.check``),
+    read from its config alone: what the engine checks before starting any worker."""
+    if model is None or model == TINY:
+        sharding.check(tiny_model.tiny_config(), world)
+        return
+    path = Path(model).expanduser()
+    _check_checkpoint(path, model)
+    sharding.check(AutoConfig.from_pretrained(path), world)
 
 
 def _check_checkpoint(path: Path, model: str) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import mmap
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from quire_engine.core.scheduler import SchedulerOutput
+from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
 from quire_engine.cpu import decoder as decoder_cpu
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.cpu import native
@@ -59,12 +61,33 @@ class CacheShape:
         return self.bytes_per_token * self.block_size
 
     @classmethod
-    def of(cls, model: PreTrainedModel, block_size: int, dtype: torch.dtype) -> CacheShape:
+    def of(
+        cls,
+        model: PreTrainedModel,
+        block_size: int,
+        dtype: torch.dtype,
+        num_kv_heads: int | None = None,
+    ) -> CacheShape:
+        """``num_kv_heads``: this rank's share under tensor parallelism (default: the model's)."""
         cfg: Any = model.config
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        kv_heads = num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor; on CPU backed by a private anonymous mapping, page-aligned, which the
+    kernel provides zero-filled page by page on first touch: allocating a pool costs nothing
+    until its blocks are written (writing zeros into a 2 GiB pool up front takes seconds on a
+    small CPU), and the process's resident memory grows with the blocks used. The flip side: a
+    memory limit below the pool's size shows when the pool fills, not at start."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # fd -1: MAP_ANONYMOUS
+    # The tensor holds the mapping (frombuffer keeps its exporter alive).
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -77,9 +100,12 @@ class ModelRunner:
         num_cpu_blocks: int,
         device: torch.device,
         layers: Sequence[attention.LayerAttention] = (),
+        native_linears: bool = True,
     ) -> None:
         """``layers``: every layer's attention as ``attention.inspect_layers`` audited it
-        (the loader's ``LoadedModel.layers``); without it the native decoder stays off."""
+        (the loader's ``LoadedModel.layers``); without it the native decoder stays off.
+        ``native_linears=False`` keeps the model's own linear modules and the native decoder
+        off (tensor parallelism: the sharded modules communicate)."""
         attention.register()
         model.set_attn_implementation(attention.ATTENTION_NAME)
         self.model = model
@@ -96,24 +122,18 @@ class ModelRunner:
         # Matmuls of a few rows (small-batch decode) through the native kernel on CPU: the BLAS
         # packs each weight before using it, the kernel streams it once. fp32 weights only.
         self.native_linears = 0
-        if device.type == "cpu" and not self.use_triton:
+        if native_linears and device.type == "cpu" and not self.use_triton:
             kernel = native.skinny_linear()
             if kernel is not None:
                 self.native_linears = linear_cpu.install(model, kernel)
         block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
         # Zero-initialised: padded reads past a sequence's end must see finite values.
         # Per layer: [num_blocks, block_size, kv_heads, head_dim].
-        self.k_caches = [
-            torch.zeros((num_blocks, *block), dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
-        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
-        pin = device.type == "cuda"
-        self.cpu_k_caches = [
-            torch.zeros((num_cpu_blocks, *block), dtype=shape.dtype, pin_memory=pin)
-            for _ in range(shape.num_layers if num_cpu_blocks else 0)
-        ]
-        self.cpu_v_caches = [torch.zeros_like(k) for k in self.cpu_k_caches]
+        pool, count = (num_blocks, *block), shape.num_layers
+        self.k_caches = [zeroed(pool, shape.dtype, device) for _ in range(count)]
+        self.v_caches = [zeroed(pool, shape.dtype, device) for _ in range(count)]
+        self.cpu_k_caches = self._swap_pool(num_cpu_blocks, block)
+        self.cpu_v_caches = self._swap_pool(num_cpu_blocks, block)
         self._kv_pairs = list(zip(self.k_caches, self.v_caches, strict=True))
         # Pure decode steps of a few sequences as one native call (cpu/decoder.py)
         # where the model is Llama-shaped; every other step runs the model's modules.
@@ -123,11 +143,26 @@ class ModelRunner:
             self.decoder = self._build_decoder()
         # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
         # no-op costing a dispatcher round trip per input per step).
+        # Tensor parallelism: sends each step's plan to the other ranks before this one runs it.
+        self.publish: Callable[[StepPlan], None] | None = None
         self._put: Callable[[np.ndarray], torch.Tensor] = (
             torch.from_numpy
             if device.type == "cpu"
             else lambda a: torch.from_numpy(a).to(device, non_blocking=True)
         )
+
+    def _swap_pool(self, num_cpu_blocks: int, block: tuple[int, ...]) -> list[torch.Tensor]:
+        """One layer's CPU swap blocks per layer (none without swap); pinned (page-locked at
+        once) when the device is CUDA, for asynchronous copies."""
+        if not num_cpu_blocks:
+            return []
+        shape, dtype = (num_cpu_blocks, *block), self.shape.dtype
+        if self.device.type == "cuda":
+            return [
+                torch.zeros(shape, dtype=dtype, pin_memory=True)
+                for _ in range(self.shape.num_layers)
+            ]
+        return [zeroed(shape, dtype, torch.device("cpu")) for _ in range(self.shape.num_layers)]
 
     def _build_decoder(self) -> decoder_cpu.DecoderStack | None:
         kernel = native.decoder_decode()
@@ -160,14 +195,26 @@ class ModelRunner:
                 return None
         return stack.decode(x.input_ids, x.positions, x.slots, x.tables, x.seq_lens)
 
+    def execute(
+        self, out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits [num_sampling_seqs + prompt rows, vocab]: the
+        sampling rows in batch order, then the rows of ``prompt_spans`` in their order."""
+        plan = plan_step(out, prompt_spans)
+        if self.publish is not None:
+            self.publish(plan)
+        return self.run(plan)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_sampling_seqs, vocab] in batch order."""
-        self._move_blocks(out)
-        x = build_step_inputs(out)
-        native_logits = self._native_step(x)
-        if native_logits is not None:
-            return native_logits
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """``execute`` from the step's host arrays: what every tensor-parallel rank runs."""
+        self._move_blocks(plan)
+        x = plan.inputs
+        keep = x.sample_rows if plan.keep is None else plan.keep
+        if plan.keep is None:
+            native_logits = self._native_step(x)
+            if native_logits is not None:
+                return native_logits
         dev = self.device
         cpu_plan = None
         if dev.type == "cpu" and not self.use_triton:
@@ -199,23 +246,23 @@ class ModelRunner:
             input_ids=put(x.input_ids).unsqueeze(0),
             position_ids=put(x.positions).unsqueeze(0),
             use_cache=False,
-            logits_to_keep=put(x.sample_rows),
+            logits_to_keep=put(keep),
             quire_metadata=md,
         )
         return result.logits[0].float()  # [num_sampling_seqs, vocab]
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: a block freed by a swap-out may be a swap-in or CoW destination.
-        if out.swap_out:
+        if plan.swap_out:
             swap_blocks(
-                self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, out.swap_out
+                self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, plan.swap_out
             )
-        if out.swap_in:
+        if plan.swap_in:
             swap_blocks(
-                self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, out.swap_in
+                self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, plan.swap_in
             )
-        if out.block_copies:
-            copy_blocks(self.k_caches, self.v_caches, out.block_copies)
+        if plan.block_copies:
+            copy_blocks(self.k_caches, self.v_caches, plan.block_copies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +325,34 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
         counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows,
         max_query_len,
     )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Everything a rank needs to run one step, as plain host data (picklable: under tensor
+    parallelism rank 0 sends it to the other ranks). ``keep``: the rows of logits to compute
+    when prompt logprobs add rows; None for the sampling rows alone."""
+
+    inputs: StepInputs
+    keep: np.ndarray | None  # int64 [rows]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
+
+
+def plan_step(out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()) -> StepPlan:
+    x = build_step_inputs(out)
+    keep = None
+    if prompt_spans:
+        # A span's rows are its sequence's new tokens from position ``first`` on.
+        extra = [
+            x.qsl[s.batch_index]
+            + (s.first - out.start_positions[s.batch_index])
+            + np.arange(s.rows)
+            for s in prompt_spans
+        ]
+        keep = np.concatenate([x.sample_rows, *extra]).astype(np.int64)
+    return StepPlan(x, keep, out.swap_out, out.swap_in, out.block_copies)
 
 
 _token_ids = attrgetter("token_ids")

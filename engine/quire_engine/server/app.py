@@ -30,6 +30,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.constraint import OutputConstraint
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine.async_engine import (
@@ -51,6 +53,8 @@ from quire_engine.engine.async_engine import (
 )
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.engine.metrics import ServerMetrics
+from quire_engine.server import tokens_api
+from quire_engine.server.choice_parser import OutputFormat
 from quire_engine.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
 from quire_engine.server.middleware import ApiKeyGuard, BodyLimit
 from quire_engine.server.prompt_encoder import PromptEncoder
@@ -61,19 +65,26 @@ from quire_engine.server.protocol import (
     OpenAIError,
     SamplingRequest,
 )
+from quire_engine.server.reasoning import ReasoningParserName
 from quire_engine.server.rendering import (
     ChatRenderer,
     CompletionRenderer,
+    Echo,
     Renderer,
+    prompt_logprobs_json,
     stream_choices,
     usage,
 )
+from quire_engine.server.token_text import TokenText
+from quire_engine.server.tool_choice import ToolSettings, plan
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # Fields the engine validates against itself (max_num_seqs, the vocabulary).
-_ENGINE_CHECKED = frozenset({"n", "stop_token_ids"})
+_ENGINE_CHECKED = frozenset(
+    {"n", "stop_token_ids", "allowed_token_ids", "logit_bias", "beam_width"}
+)
 DEFAULT_MAX_WAITING = 512
 DEFAULT_STEP_TIMEOUT_S = 60.0
 
@@ -83,7 +94,9 @@ class ServerSettings:
     """``max_waiting``: 503 beyond this many queued requests (None: unbounded).
     ``step_timeout``: seconds without engine progress, while work is pending, after which the
     engine counts as hung (None: never). ``shutdown_timeout``: seconds a drain waits for
-    requests in flight (see ``drain``)."""
+    requests in flight (see ``drain``). ``vllm_metrics``: /metrics also exports vLLM's names
+    for the same data (``engine.vllm_metrics``). ``tools``: ``--enable-auto-tool-choice`` and
+    ``--tool-call-parser``; ``reasoning_parser``: how chat outputs' thinking is split off."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_names: tuple[str, ...] = ("tiny",)  # the first one names responses and metrics
@@ -92,6 +105,9 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    vllm_metrics: bool = True
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    reasoning_parser: ReasoningParserName | None = None
     engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
     on_engine_death: Callable[[], None] | None = None
 
@@ -107,7 +123,7 @@ class ServerSettings:
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(settings.served_model_names[0])
+    metrics = ServerMetrics(settings.served_model_names[0], vllm=settings.vllm_metrics)
     engine = AsyncEngine(
         settings.engine,
         metrics,
@@ -163,6 +179,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     v1.add_api_route("/completions", api.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"])
     app.include_router(v1)
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/version", tokens_api.version, methods=["GET"])
     return app
 
 
@@ -174,10 +193,33 @@ class _Api:
         self.engine = engine
         self.created = int(time.time())
         self._encoder: PromptEncoder | None = None
+        # Grammars compile here, never on the event loop or the engine's step loop.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="quire-grammar")
 
     def close(self) -> None:
         if self._encoder is not None:
             self._encoder.close()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+
+    async def constraint(self, body: SamplingRequest, info: ModelInfo) -> OutputConstraint | None:
+        """The request's structured-output constraint, compiled (a cache hit for one seen
+        before); a 400 with the compiler's message when it does not compile."""
+        asked = body.constraint()
+        if asked is None:
+            return None
+        return await self.compile(*asked, info)
+
+    async def compile(
+        self, constraint: OutputConstraint, param: str, info: ModelInfo
+    ) -> OutputConstraint:
+        if info.grammars is None:
+            raise OpenAIError(400, "structured outputs are off on this server", param=param)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._compiler, info.grammars.compile, constraint)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param=param) from exc
+        return constraint
 
     def encoder(self, info: ModelInfo) -> PromptEncoder:
         if self._encoder is None:
@@ -199,29 +241,75 @@ class _Api:
         ]
         return {"object": "list", "data": cards}
 
+    async def tokenize(self, body: tokens_api.TokenizeRequest) -> Json:
+        info = self._model(body.model)
+        return await tokens_api.tokenize(
+            body, self.encoder(info), info.tokenizer, info.max_model_len
+        )
+
+    async def detokenize(self, body: tokens_api.DetokenizeRequest) -> Json:
+        info = self._model(body.model)
+        return await tokens_api.detokenize(body, self.encoder(info), info.vocab_size)
+
+    def _model(self, model: str | None) -> ModelInfo:
+        """The model's info for a request naming ``model`` (404 for another name, 503 while
+        the engine is not ready)."""
+        self._check_model(model)
+        error = self.engine.not_ready()
+        if error is not None:
+            raise _unavailable(error)
+        assert self.engine.info is not None
+        return self.engine.info
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         texts = body.prompts()
         info = self._admit(body, len(texts))
         encoder = self.encoder(info)
-        prompts = [await encoder.prompt(text) for text in texts]
+        prompts = [await encoder.prompt(text, body.add_special_tokens) for text in texts]
+        # echo with logprobs shows the prompt's logprobs too (vLLM's rule).
+        echo_logprobs = body.logprobs if body.echo else None
+        requested = 1 if body.echo_only else body.max_tokens
+        constraint = await self.constraint(body, info)
         params = [
             body.sampling_params(
-                _max_tokens(info, len(p), body.max_tokens, "prompt"),
+                _max_tokens(info, len(p), requested, "prompt"),
                 body.logprobs,
                 info.sampling_defaults,
+                prompt_logprobs=echo_logprobs,
+                constraint=constraint,
             )
             for p in prompts
         ]
-        renderer = CompletionRenderer(info.tokenizer)
+        echoes: list[Echo | None] = []
+        if body.echo:
+            for text, ids in zip(texts, prompts, strict=True):
+                shown = text if isinstance(text, str) else await encoder.decode(ids, True)
+                echoes.append(Echo(shown, ids))
+        renderer = CompletionRenderer(
+            TokenText(info.tokenizer, body.return_tokens_as_token_ids),
+            body.n,
+            echoes,
+            generated=not body.echo_only,
+        )
         return await self._generate(request, body, "cmpl", prompts, params, renderer, arrival)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         conversation = body.conversation()
+        template_kwargs = body.template_kwargs()
         num_logprobs = body.num_logprobs
         info = self._admit(body, 1)
-        if not info.tokenizer.chat_template:
+        if not info.tokenizer.chat_template and body.chat_template is None:
             # No fallback: another model's template would silently produce the wrong format.
             raise OpenAIError(
                 400,
@@ -229,20 +317,54 @@ class _Api:
                 "server with --chat-template",
                 param="messages",
             )
-        prompt = await self.encoder(info).chat(conversation, body.add_generation_prompt)
+        tools = plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.settings.tools)
+        if body.tools:
+            template = body.chat_template or info.tokenizer.chat_template
+            if "tools" not in str(template):
+                raise OpenAIError(
+                    400,
+                    "the chat template does not render tools; start the server with a "
+                    "--chat-template that does, or send one in chat_template",
+                    param="tools",
+                )
+        prompt = await self.encoder(info).chat(
+            conversation, template_kwargs, body.add_special_tokens
+        )
         max_tokens = _max_tokens(info, len(prompt), body.requested_max_tokens, "messages")
-        params = [body.sampling_params(max_tokens, num_logprobs, info.sampling_defaults)]
-        renderer = ChatRenderer(info.tokenizer, num_logprobs or 0)
+        constraint = await self.constraint(body, info)
+        if tools.constraint is not None:
+            if constraint is not None:
+                raise OpenAIError(
+                    400,
+                    f"tool_choice {tools.mode} does not combine with response_format or "
+                    "structured_outputs",
+                    param="tool_choice",
+                )
+            constraint = await self.compile(tools.constraint, "tools", info)
+        reasoning = self.settings.reasoning_parser if body.enable_thinking else None
+        fmt = OutputFormat(
+            reasoning,
+            body.include_reasoning,
+            tools.parser,
+            tools.max_calls,
+            forced=tools.constraint is not None,
+        )
+        params = [
+            body.sampling_params(
+                max_tokens, num_logprobs, info.sampling_defaults, constraint=constraint
+            )
+        ]
+        renderer = ChatRenderer(
+            TokenText(info.tokenizer, body.return_tokens_as_token_ids),
+            num_logprobs or 0,
+            body.echo_text,
+            body.n,
+            fmt,
+        )
         return await self._generate(request, body, "chatcmpl", [prompt], params, renderer, arrival)
 
     def _admit(self, body: SamplingRequest, num_prompts: int) -> ModelInfo:
-        if body.model is not None and body.model not in self.settings.served_model_names:
-            raise OpenAIError(
-                404,
-                f"The model `{body.model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
+        self._check_model(body.model)
         limit = self.engine.max_waiting
         if limit is not None and num_prompts > limit:
             raise OpenAIError(
@@ -265,12 +387,24 @@ class _Api:
         renderer: Renderer,
         arrival: float,
     ) -> Response:
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        # vLLM's order: the X-Request-Id header (a gateway sets one per request and logs it),
+        # then the body's request_id, then a fresh one.
+        given = request.headers.get("x-request-id") or body.request_id
+        request_id = f"{prefix}-{given or uuid.uuid4().hex}"
         try:
-            handle = await self.engine.submit(request_id, prompts, params, arrival=arrival)
+            handle = await self.engine.submit(
+                request_id,
+                prompts,
+                params,
+                arrival=arrival,
+                beam_width=body.beam_width,
+                cache_salt=body.cache_salt,
+            )
         except ValueError as exc:  # the engine's checks name the field first
             field = re.match(r"[a-z_]+", str(exc))
             param = field.group() if field and field.group() in _ENGINE_CHECKED else "prompt"
+            if "duplicate request id" in str(exc):
+                param = "request_id"
             raise OpenAIError(400, str(exc), param=param) from exc
         except EngineUnavailable as exc:
             raise _unavailable(exc) from exc
@@ -325,14 +459,20 @@ async def _respond(job: _Job) -> Response:
         raise _failed(job.handle.error)
     if job.handle.aborted:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = [
-        job.renderer.full_choice(index * job.n + sample.index, sample)
-        for index, out in sorted(finals.items())
-        for sample in out.outputs
-    ]
+    renderer = job.renderer
+    choices = []
+    for index, out in sorted(finals.items()):
+        renderer.observe(index, out)
+        for sample in out.outputs:
+            choice = renderer.full_choice(index * job.n + sample.index, sample)
+            if isinstance(renderer, CompletionRenderer) and out.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(renderer.text, out.prompt_logprobs)
+            choices.append(choice)
     completion_tokens = sum(len(s.token_ids) for out in finals.values() for s in out.outputs)
-    response = {**job.head, "object": job.renderer.object, "choices": choices}
-    response["usage"] = usage(job.num_prompt_tokens, completion_tokens)
+    response = {**job.head, "object": renderer.object, "choices": choices}
+    if isinstance(renderer, ChatRenderer) and finals and finals[0].prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(renderer.text, finals[0].prompt_logprobs)
+    response["usage"] = usage(job.num_prompt_tokens, completion_tokens, renderer.cached_tokens)
     return JSONResponse(response)
 
 
@@ -352,7 +492,7 @@ async def _sse(job: _Job, include_usage: bool, holdback: int) -> AsyncIterator[s
         elif job.handle.aborted:
             return
         elif include_usage:
-            totals = usage(job.num_prompt_tokens, completion_tokens)
+            totals = usage(job.num_prompt_tokens, completion_tokens, job.renderer.cached_tokens)
             yield _event({**head, "choices": [], "usage": totals})
     except EngineUnavailable as exc:
         yield _event(_unavailable(exc).body())

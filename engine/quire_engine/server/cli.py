@@ -6,11 +6,13 @@ command line wins over the variable. With no flag at all it serves the embedded 
 127.0.0.1:8000 (on CPU when there is no GPU).
 
 The process serves while the model loads (``/health`` 200, ``/ready`` 503), so an orchestrator can
-tell "loading" from "dead". If loading fails, the engine loop dies or a step makes no progress for
-``--step-timeout`` seconds, every pending request is answered, the server shuts down and the
-command exits 1. SIGTERM (or Ctrl-C) drains (see ``drain``): ``/ready`` 503 at once, new requests
-503, requests in flight get ``--shutdown-timeout`` seconds, then exit 0; a second signal stops at
-once.
+tell "loading" from "dead". With ``--wait-for-model-cache`` loading starts only once ``--model``
+holds the model cache's completion marker (``quire_engine.hub_cache``), and fails after
+``--model-cache-timeout`` seconds without it. If loading fails, the engine loop dies or a step
+makes no progress for ``--step-timeout`` seconds, every pending request is answered, the server
+shuts down and the command exits 1. SIGTERM (or Ctrl-C) drains (see ``drain``): ``/ready`` 503 at
+once, new requests 503, requests in flight get ``--shutdown-timeout`` seconds, then exit 0; a
+second signal stops at once.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import re
 import signal
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from quire_engine.core.config import EngineConfig, PreemptionMode
+from quire_engine.core.config import DEFAULT_MASTER_PORT, EngineConfig, PreemptionMode
+from quire_engine.hub_cache import wait_for_cache
 from quire_engine.server.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_WAITING,
@@ -38,6 +42,9 @@ from quire_engine.server.app import (
     ServerSettings,
 )
 from quire_engine.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
+from quire_engine.server.reasoning import ReasoningParserName
+from quire_engine.server.tool_choice import ToolSettings
+from quire_engine.server.tool_parsers import ToolParserName
 
 ENV_PREFIX = "QUIRE_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -139,6 +146,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="recompute",
     )
     flag("--swap-space", "CPU swap pool for --preemption-mode swap (GiB)", type=float, default=4.0)
+    flag(
+        "--tensor-parallel-size",
+        "shard the model over this many devices, one worker process each (cuda:N..N+size-1)",
+        type=int,
+        default=1,
+    )
+    flag(
+        "--nnodes",
+        "nodes (pods) the --tensor-parallel-size ranks are spread over, equally",
+        type=int,
+        default=1,
+    )
+    flag(
+        "--node-rank",
+        "this node's index; node 0 serves HTTP and listens for the others on --host",
+        type=int,
+        default=0,
+    )
+    flag("--master-addr", "node 0's address, where nodes >= 1 connect", default="127.0.0.1")
+    flag(
+        "--master-port",
+        "node 0's rendezvous port (under --nnodes > 1)",
+        type=int,
+        default=DEFAULT_MASTER_PORT,
+    )
+    flag(
+        "--headless",
+        "run only this node's tensor-parallel ranks, no HTTP server (nodes >= 1)",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+    )
+    flag(
+        "--wait-for-model-cache",
+        "before loading, wait until --model holds the model cache's completion marker "
+        "(.quire-complete.json, written last by the operator's download Job)",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+    )
+    flag(
+        "--model-cache-timeout",
+        "seconds --wait-for-model-cache waits before the load fails",
+        type=float,
+        default=3600.0,
+    )
     flag("--seed", "seed of unseeded sampling", type=int, default=0)
     flag(
         "--chat-template",
@@ -179,6 +230,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
     )
+    flag(
+        "--vllm-metrics",
+        "also export vLLM's metric names (vllm:*) on /metrics, for routers, dashboards and "
+        "benchmarks written for vLLM; --no-vllm-metrics exports the quire_* series only",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+    )
+    flag(
+        "--enable-auto-tool-choice",
+        "allow tool_choice 'auto' (the default when a request has tools): the model's calls "
+        "are read out of its text by --tool-call-parser",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+    )
+    flag(
+        "--tool-call-parser",
+        "the format of the model's tool calls, for tool_choice 'auto'",
+        choices=[p.value for p in ToolParserName],
+        default=None,
+    )
+    flag(
+        "--reasoning-parser",
+        "split the model's thinking (<think>...</think>) into reasoning_content",
+        choices=[p.value for p in ReasoningParserName],
+        default=None,
+    )
     flag("--log-format", "log line format", choices=["text", "json"], default="text")
     flag(
         "--log-level",
@@ -190,8 +267,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """``ValueError`` (naming the field) for values the engine would refuse."""
+    if args.headless != (args.node_rank > 0):
+        raise ValueError(
+            "--headless goes with --node-rank >= 1: node 0 serves HTTP, the others only run "
+            f"their ranks (got --node-rank {args.node_rank}"
+            f"{' --headless' if args.headless else ''})"
+        )
     if args.step_timeout < 0:
         raise ValueError(f"step_timeout must be >= 0 seconds (0: never); got {args.step_timeout}")
+    if args.wait_for_model_cache and (args.model == "tiny" or args.model_cache_timeout <= 0):
+        raise ValueError(
+            "--wait-for-model-cache needs a checkpoint directory as --model and a "
+            f"--model-cache-timeout above 0; got {args.model!r}, {args.model_cache_timeout:g}"
+        )
     engine = EngineConfig(
         model=args.model,
         block_size=args.block_size,
@@ -201,6 +289,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        # Node 0 listens for the other nodes where it listens for HTTP.
+        master_addr=args.host if args.node_rank == 0 else args.master_addr,
+        master_port=args.master_port,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -218,6 +312,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_request_bytes,
         step_timeout=args.step_timeout or None,
         shutdown_timeout=args.shutdown_timeout,
+        vllm_metrics=args.vllm_metrics,
+        tools=ToolSettings(
+            args.enable_auto_tool_choice,
+            ToolParserName(args.tool_call_parser) if args.tool_call_parser else None,
+        ),
+        reasoning_parser=ReasoningParserName(args.reasoning_parser)
+        if args.reasoning_parser
+        else None,
     )
 
 
@@ -254,12 +356,15 @@ def run(args: argparse.Namespace) -> int:
 
     from quire_engine.engine.llm_engine import LLMEngine, check_placement
     from quire_engine.engine.metrics import GcPauses
+    from quire_engine.engine.startup import StartupPhase, StartupTimes
     from quire_engine.server.app import create_app
 
     settings = settings_from_args(args)
+    configure_logging(args.log_format, args.log_level)
+    # Counts from process start: quire_startup_seconds{phase="ready"} is the whole cold start.
+    startup = StartupTimes.since_process_start()
     # Fail before listening on what can be checked without loading anything.
     check_placement(args.device, args.dtype)
-    configure_logging(args.log_format, args.log_level)
     died: list[bool] = []
     server: _DrainingServer | None = None
 
@@ -268,7 +373,11 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True  # uvicorn polls it; safe to set from any thread
 
-    settings = dataclasses.replace(settings, on_engine_death=on_engine_death)
+    settings = dataclasses.replace(
+        settings,
+        on_engine_death=on_engine_death,
+        engine_factory=lambda config: LLMEngine(config, startup),
+    )
     profile = None
     if args.profile:
         from quire_engine.engine.profile import StepProfile
@@ -281,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
     build = settings.engine_factory
 
     def build_then_freeze(config: EngineConfig) -> LLMEngine:
+        if args.wait_for_model_cache:
+            with startup.phase(StartupPhase.MODEL_CACHE):
+                wait_for_cache(Path(args.model), args.model_cache_timeout)
         engine = build(config)
         logger.info("froze %d objects of the startup heap", freeze_startup_heap())
         return engine

@@ -31,34 +31,52 @@ class PromptEncoder:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def prompt(self, prompt: str | list[int]) -> list[int]:
+    async def prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if not isinstance(prompt, str):
             return prompt  # token ids: the engine checks their range
         if not prompt:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        ids: list[int] = await self._run(self._encode, prompt, True)
+        ids: list[int] = await self._run(self._encode, prompt, add_special_tokens)
         return ids
 
     async def chat(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool
+        self,
+        conversation: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        ids: list[int] = await self._run(self._chat, conversation, add_generation_prompt)
+        """``template_kwargs``: ``add_generation_prompt``, ``tools``, ``chat_template_kwargs``
+        and the like, passed to ``apply_chat_template``."""
+        ids: list[int] = await self._run(
+            self._chat, conversation, template_kwargs, add_special_tokens
+        )
         return ids
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text: str = await self._run(self._decode, ids, skip_special_tokens)
+        return text
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        try:
+            return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        except (OverflowError, TypeError, IndexError) as exc:
+            raise OpenAIError(400, f"cannot decode these token ids: {exc}", param="tokens") from exc
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def _chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _chat(
+        self,
+        conversation: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        add_special_tokens: bool,
+    ) -> list[int]:
         tokenizer = self._tokenizer
         try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_kwargs)
         except Exception as exc:  # jinja raises for conversations the template refuses
             raise OpenAIError(
                 400, f"cannot apply the chat template: {exc}", param="messages"
             ) from exc
         # The template already placed any special tokens the model expects.
-        return self._encode(text, False)
+        return self._encode(text, add_special_tokens)

@@ -2,24 +2,28 @@
 
 Only this module, ``rendering`` (outbound) and ``server`` know OpenAI's JSON; behind them
 everything is token ids and ``SamplingParams``. Requests accept vLLM's sampling extensions
-(``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``) so the
-openai client's ``extra_body`` works as with vLLM. Unknown fields are ignored (and logged), as
-vLLM does, because clients send fields of newer API versions; fields whose meaning Quire cannot
-honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, non-text content) are rejected instead of
-being dropped. Types are strict, as OpenAI's are: a string, a float or a bool where an integer
-belongs is a 400, not coerced; ranges are checked by ``SamplingParams`` (the same messages offline
-and over HTTP).
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``,
+``bad_words``, ``prompt_logprobs``, ``ignore_eos``, ``stop_token_ids``, ``use_beam_search``, ...)
+so the openai client's ``extra_body`` works as with vLLM. Every field is honoured or refused:
+vLLM fields Quire has not built are a 400 naming them (``vllm_fields``), and unknown fields are
+accepted and logged, as vLLM does, because clients send fields of newer API versions. Types are
+strict, as OpenAI's are: a string, a float or a bool where an integer belongs is a 400, not
+coerced; ranges are checked by ``SamplingParams`` (the same messages offline and over HTTP).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from quire_engine.core.constraint import OutputConstraint
 from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.server.structured_fields import ConstraintError, output_constraint
+from quire_engine.server.vllm_fields import check_extra
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +88,22 @@ class SamplingRequest(BaseModel):
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    return_tokens_as_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs.
+    response_format: Json | None = None
+    structured_outputs: Json | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -94,20 +111,50 @@ class SamplingRequest(BaseModel):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    def check_fields(self) -> None:
+        """400 for fields Quire refuses (see ``vllm_fields``); unknown ones are logged."""
+        check_extra(self.model_extra, refused)
+        if self.length_penalty != 1.0:
+            raise refused("length_penalty")
+
+    def constraint(self) -> tuple[OutputConstraint, str] | None:
+        """What the output must match and the field that asked, or None (400 for a malformed
+        ``response_format`` or ``structured_outputs``)."""
+        try:
+            return output_constraint(self.response_format, self.structured_outputs)
+        except ConstraintError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
+
+    @property
+    def beam_width(self) -> int | None:
+        """``use_beam_search``: vLLM's beam search over HTTP, ``n`` beams."""
+        return self.n if self.use_beam_search else None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any] | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: Mapping[str, Any] | None = None,
+        prompt_logprobs: int | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> SamplingParams:
         """``defaults`` (the checkpoint's generation_config values) fill temperature, top_p,
-        top_k and min_p where the request leaves them unset, as vLLM does."""
+        top_k, min_p and repetition_penalty where the request leaves them unset, as vLLM does.
+        ``prompt_logprobs`` stands in for the request's own (``echo`` with ``logprobs``)."""
         defaults = defaults or {}
-        if self.model_extra:
-            logger.warning("ignored request fields: %s", ", ".join(sorted(self.model_extra)))
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
+        logit_bias = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise OpenAIError(
+                    400, f"logit_bias keys must be token ids; got {key!r:.40}", param="logit_bias"
+                )
+            logit_bias[int(key)] = bias
         # vLLM spells "no top-k limit" as -1 (and 0); SamplingParams as None.
         top_k = defaults.get("top_k") if self.top_k is None else self.top_k
         top_k = None if top_k in (0, -1) else top_k
@@ -128,7 +175,20 @@ class SamplingRequest(BaseModel):
             "seed": self.seed,
             "logprobs": logprobs,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "repetition_penalty": defaults.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "logit_bias": logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words or (),
+            "prompt_logprobs": prompt_logprobs,
+            "constraint": constraint,
         }
+        if self.use_beam_search:
+            self._check_beam(kwargs)
+            # Beam search ranks by log-probability: vLLM's beams ignore the sampling filters.
+            kwargs.update(n=1, temperature=0.0, top_p=1.0, top_k=None, min_p=0.0)
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
@@ -137,8 +197,26 @@ class SamplingRequest(BaseModel):
             param = self._wire_names.get(field, field) if field in kwargs else None
             raise OpenAIError(400, str(exc), param=param) from exc
 
+    def _check_beam(self, kwargs: Json) -> None:
+        """Beam search ranks whole beams by log-probability and ends them at EOS or length: the
+        per-token controls have no meaning there, so asking for them is a 400."""
+        beam_free = ("logprobs", "prompt_logprobs", "allowed_token_ids", "constraint")
+        unused = [k for k in beam_free if kwargs[k] is not None]
+        unused += [
+            k
+            for k in ("stop", "stop_token_ids", "bad_words", "logit_bias", "min_tokens")
+            if kwargs[k]
+        ]
+        if unused:
+            name = self._wire_names.get(unused[0], unused[0])
+            raise OpenAIError(400, f"{name} is not supported with use_beam_search", param=name)
+
     # SamplingParams field -> this request's field, where the two names differ.
-    _wire_names: ClassVar[dict[str, str]] = {}
+    _wire_names: ClassVar[dict[str, str]] = {"constraint": "structured_outputs"}
+
+
+def refused(name: str) -> OpenAIError:
+    return OpenAIError(400, f"{name} is not supported by this server", param=name)
 
 
 class CompletionRequest(SamplingRequest):
@@ -149,9 +227,20 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt (and its logprobs) and nothing generated;
+        the engine still runs one step, whose token is dropped (as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
+        self.check_fields()
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(
+                400, "max_tokens must be >= 1 unless echo is true", param="max_tokens"
+            )
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -172,21 +261,69 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message of the conversation."""
+
+    model_config = ConfigDict(strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def for_template(self) -> Json:
+        arguments: Any = self.function.arguments
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+        call: Json = {"type": "function", "function": {"name": self.function.name}}
+        call["function"]["arguments"] = arguments
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # the assistant's
+    tool_call_id: str | None = None  # a tool's answer names the call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> Json:
+        """The message as chat templates read it (transformers' convention): the calls'
+        arguments as objects where they are JSON objects (templates write them with tojson)."""
+        message: Json = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        return message
+
 
 class ChatCompletionRequest(SamplingRequest):
-    _wire_names: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+    _wire_names: ClassVar[dict[str, str]] = {
+        "logprobs": "top_logprobs",
+        "constraint": "structured_outputs",
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -194,17 +331,64 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Json] | None = None
-    response_format: Json | None = None
-    add_generation_prompt: bool = True  # vLLM's extension
+    tool_choice: str | Json | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's extensions
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: Json | None = None
+    documents: list[Json] | None = None
+    include_reasoning: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
+    def conversation(self) -> list[Json]:
+        self.check_fields()
+        if self.continue_final_message and self.add_generation_prompt:
             raise OpenAIError(
-                400, "only response_format type 'text' is supported", param="response_format"
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
             )
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise OpenAIError(
+                400, "continue_final_message needs a final assistant message", param="messages"
+            )
+        return [m.for_template() for m in self.messages]
+
+    def template_kwargs(self) -> Json:
+        """Keyword arguments for the chat template besides the conversation."""
+        kwargs: Json = dict(self.chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & _TEMPLATE_RESERVED)
+        if clash:
+            raise OpenAIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(clash)}",
+                param="chat_template_kwargs",
+            )
+        kwargs["add_generation_prompt"] = self.add_generation_prompt
+        kwargs["continue_final_message"] = self.continue_final_message
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return kwargs
+
+    @property
+    def enable_thinking(self) -> bool:
+        """``chat_template_kwargs.enable_thinking`` (default true): false turns the reasoning
+        parser off for this request, as the template then writes no thinking."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
+
+    @property
+    def echo_text(self) -> str:
+        """What ``echo`` prefixes the answer with: the last message when it is the assistant's
+        (the answer continues it), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -217,3 +401,10 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# Arguments of apply_chat_template that request fields own.
+_TEMPLATE_RESERVED = frozenset(
+    {"conversation", "tokenize", "return_dict", "tools", "add_generation_prompt",
+     "continue_final_message", "chat_template", "documents", "tokenizer_kwargs"}
+)  # fmt: skip
