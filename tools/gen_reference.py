@@ -3,7 +3,8 @@
 * ``docs/metrics.md``: every Prometheus metric the engine serves on ``/metrics``, read from the
   live registry (``quire_engine.engine.metrics.ServerMetrics`` plus the collectors ``serve``
   adds to it: ``GcPauses`` and, with ``--profile``, ``ProfileCollector``), then vLLM's names
-  for the same data, each with its ``quire_*`` twin (``ServerMetrics.vllm_twins``).
+  for the same data, each with its ``quire_*`` twin (``ServerMetrics.vllm_twins``), then the
+  operator's own metrics (``quire_operator.metrics.OperatorMetrics``).
 * ``docs/operator.md``: the InferenceService field table, walked from the CRD's
   ``openAPIV3Schema`` (``crds/inferenceservices.quire.dev.yaml``). Only the part below the
   marker line is generated; the introduction above it is written by hand.
@@ -65,6 +66,18 @@ its twins) when scraped, and a vLLM histogram is fed the same observations as it
 same call: same count and sum, bucketed by vLLM's bounds.
 
 | vLLM series | type | Quire twin | notes |
+|---|---|---|---|
+"""
+
+OPERATOR_METRICS_INTRO = """
+## The operator's metrics
+
+The operator serves metrics of its own at `--metrics-bind-address` (default `:8081`; the chart's
+`operator.metricsPort`, scraped by its `<release>-operator` PodMonitor with `honorLabels`). Each
+series names an InferenceService by `namespace` and `name`. Counters start again at zero when the
+operator restarts; only the active replica (peering) counts.
+
+| metric | type | labels | meaning |
 |---|---|---|---|
 """
 
@@ -177,7 +190,36 @@ def render_metrics() -> str:
         notes = " ".join(t for t in (sentence(family.documentation), sentence(twin.note)) if t)
         notes += buckets_text(family)
         vllm_rows.append(f"| {names} | {twin.kind} | {quire} | {notes} |")
-    return METRICS_INTRO + "\n".join(rows) + "\n" + VLLM_INTRO + "\n".join(vllm_rows) + "\n"
+    return (
+        METRICS_INTRO
+        + "\n".join(rows)
+        + "\n"
+        + VLLM_INTRO
+        + "\n".join(vllm_rows)
+        + "\n"
+        + OPERATOR_METRICS_INTRO
+        + "\n".join(operator_rows())
+        + "\n"
+    )
+
+
+def operator_rows() -> list[str]:
+    """The operator's metric families, one table row each."""
+    sys.path.insert(0, str(ROOT / "operator"))
+    from quire_operator.events import Transition
+    from quire_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    # One wake-up counted, so that every family has a series whose label names the table lists.
+    wake_up = Transition("Normal", "ScaledFromZero", "scaled from 0 to 1 replicas")
+    metrics.count({"metadata": {"namespace": "ns", "name": "isvc"}}, wake_up)
+    rows = []
+    for family in metrics.registry.collect():
+        names = "<br>".join(f"`{n}`" for n in exposed_names(family))
+        (first, *_) = [s for s in family.samples if not s.name.endswith("_created")]
+        labels = ", ".join(f"`{label}`" for label in first.labels)
+        rows.append(f"| {names} | {family.type} | {labels} | {sentence(family.documentation)} |")
+    return rows
 
 
 # ---- the CRD -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION
 from quire_operator.config import DEFAULT_ENGINE_IMAGE, DEFAULT_EPP_IMAGE, OperatorConfig
 from quire_operator.handlers import register
 from quire_operator.inference_pool import POOL_GROUP, POOL_VERSION
+from quire_operator.metrics import OperatorMetrics, parse_bind_address
 from quire_operator.peering import PeeringGate, ensure_peering
 from quire_operator.reconcile import Reconciler
 from quire_operator.requeue import Requeue, RequeueConfig
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--liveness",
         default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint URL (200 while the operator runs); '' disables it",
+    )
+    parser.add_argument(
+        "--metrics-bind-address",
+        default=":8081",
+        help="HOST:PORT or :PORT where the operator's Prometheus metrics are served (its Events "
+        "and wake-ups from zero, docs/metrics.md); '' or 0 disables them (default :8081)",
     )
     peering = parser.add_mutually_exclusive_group()
     peering.add_argument("--peering", default="quire-operator", help="peering object name")
@@ -150,7 +157,12 @@ def _lister(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        metrics_address = parse_bind_address(args.metrics_bind_address)
+    except ValueError as err:
+        parser.error(str(err))
     log_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL
     kopf.configure(verbose=args.verbose, log_format=log_format)
     if not args.verbose:
@@ -168,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     api = api_client()
     served = served_groups(api)
     require_crd(served)
+    metrics = OperatorMetrics()
+    if metrics_address is not None:
+        metrics.serve(metrics_address)
     watch_pools = (POOL_GROUP, POOL_VERSION) in served
     if not watch_pools:
         logger.info(
@@ -196,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gate = PeeringGate(api, args.peering, namespaces, os.environ["POD_ID"], priority)
         active = gate.active
     requeue = Requeue(
-        Reconciler(api, operator_config),
+        Reconciler(api, operator_config, metrics=metrics),
         _lister(api, namespaces),
         active,
         RequeueConfig(resync_s=args.resync_seconds),

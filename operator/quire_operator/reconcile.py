@@ -68,6 +68,7 @@ from quire_operator.leader_worker_set import (
     build_leader_worker_set,
 )
 from quire_operator.meta import ChildKey
+from quire_operator.metrics import OperatorMetrics
 from quire_operator.model_cache import build_claim, build_job
 from quire_operator.objects import build_pdb, build_service
 from quire_operator.observed import (
@@ -181,11 +182,13 @@ class Reconciler:
         config: OperatorConfig,
         now: Callable[[], str] = _now,
         events: EventRecorder | None = None,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self._api = api
         self._config = config
         self._now = now
         self._events = events if events is not None else EventRecorder(api)
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
         self._core = client.CoreV1Api(api)
         self._children = Children(api)
         self._custom = client.CustomObjectsApi(api)
@@ -223,6 +226,7 @@ class Reconciler:
                 _log_changes(namespace, name, previous, status)
                 for transition in transitions(previous, status):
                     self._events.post(body, transition)
+                    self.metrics.count(body, transition)
             return problem
 
     def _held_while_waking(

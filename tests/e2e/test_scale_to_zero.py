@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx2
 import pytest
@@ -32,6 +32,9 @@ from tests.cluster.routing import RoutingStack
 from tests.e2e.routed_fleet import access_log, engine_metrics, save_report
 from tests.e2e.scaling_scenario import STEP_TIMEOUT_S, Scenario, poll
 from tests.waiting import wait_until
+
+if TYPE_CHECKING:
+    from tests.operator_tests.operator_process import Operators
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -152,7 +155,7 @@ def expect_zero(s: Scenario, what: str) -> None:
 
 
 def test_requests_at_zero_are_held_until_a_replica_is_ready_and_excess_gets_503(
-    routing: RoutingStack, scenario: Callable[..., Scenario]
+    routing: RoutingStack, scenario: Callable[..., Scenario], operators: Operators
 ) -> None:
     s = scenario("zero", "keda", routing)
     s.create(
@@ -221,6 +224,23 @@ def test_requests_at_zero_are_held_until_a_replica_is_ready_and_excess_gets_503(
     expect_zero(s, "idle after serving")
     reasons = {e.reason for e in s.cluster.core.list_namespaced_event(s.namespace).items}
     assert {"ScaledFromZero", "ScaledToZero"} <= reasons, reasons
+    # Wake-ups are a metric too: the operator counts each ScaledFromZero Event it posts.
+    (operator,) = operators.started
+    labels = {"namespace": s.namespace, "name": s.name}
+    woken = len(
+        [
+            e
+            for e in s.cluster.core.list_namespaced_event(s.namespace).items
+            if e.reason == "ScaledFromZero" and e.involved_object.name == s.name
+        ]
+    )
+    poll(
+        f"the operator's wake-up counter at {woken} (its ScaledFromZero Events)",
+        lambda: operator.sample("quire_operator_wakeups_total", **labels),
+        lambda value: value == woken,
+        30,
+    )
+    report["wakeups"] = woken
     last = s.inference_service()["status"]["autoscaler"]["lastScale"]
     assert (last["from"], last["to"], last["direction"]) == (1, 0, "Down"), last
 

@@ -19,6 +19,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
 from tests.waiting import wait_until
@@ -30,6 +32,7 @@ class OperatorProcess:
     def __init__(self, name: str, cluster: ClusterHandle, args: list[str], log_path: Path) -> None:
         self.name = name
         self.port = free_port()
+        self.metrics_port = free_port()
         self.log_path = log_path
         env = shutil.which("env") or "/usr/bin/env"
         argv = [
@@ -45,6 +48,8 @@ class OperatorProcess:
             *args,
             "--liveness",
             f"http://127.0.0.1:{self.port}/healthz",
+            "--metrics-bind-address",
+            f"127.0.0.1:{self.metrics_port}",
         ]
         self.process = ManagedProcess(name, argv, log_path)
 
@@ -71,6 +76,20 @@ class OperatorProcess:
             message=lambda: f"{self.name} not healthy\n{self.describe()}",
             ignore=(urllib.error.URLError, OSError),
         )
+
+    def metrics(self) -> str:
+        """The operator's Prometheus exposition (its ``--metrics-bind-address``)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return str(response.read().decode())
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The value of the operator's sample ``name`` with exactly ``labels`` (0 if absent)."""
+        for family in text_string_to_metric_families(self.metrics()):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return 0.0
 
     def wait_for_log(self, pattern: str, timeout_s: float = 30) -> re.Match[str]:
         """Until a line of the log matches ``pattern`` (a regex); returns the match."""

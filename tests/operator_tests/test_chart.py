@@ -390,8 +390,12 @@ def test_default_render_is_accepted_by_the_api_server(
         "capabilities": {"drop": ["ALL"]},
     }
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
-    assert container["ports"] == [{"name": "liveness", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "liveness", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+    ]
     assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    assert "--metrics-bind-address=0.0.0.0:8081" in container["args"]
     assert container["resources"] == {
         "requests": {"cpu": "50m", "memory": "128Mi"},
         "limits": {"memory": "256Mi"},
@@ -437,6 +441,7 @@ def test_full_values_render_is_accepted_by_the_api_server(
         ("Deployment", operator),
         ("PodMonitor", f"{RELEASE}-endpoint-picker"),
         ("PodMonitor", f"{RELEASE}-engine"),
+        ("PodMonitor", f"{RELEASE}-operator"),
         ("Role", operator),
         ("RoleBinding", operator),
         ("ServiceAccount", "quire-operator-sa"),
@@ -448,7 +453,9 @@ def test_full_values_render_is_accepted_by_the_api_server(
     assert len(accepted) == len(docs)
     assert f"podmonitor.monitoring.coreos.com/{RELEASE}-engine" in accepted
 
-    by_kind = {d["kind"]: d for d in docs if not d["metadata"]["name"].endswith("-picker")}
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodMonitor"}
+    by_kind = {d["kind"]: d for d in docs if d["kind"] != "PodMonitor"}
+    by_kind["PodMonitor"] = monitors[f"{RELEASE}-engine"]
     (container,) = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert container["args"] == [
         f"--namespace={namespace}",
@@ -456,6 +463,7 @@ def test_full_values_render_is_accepted_by_the_api_server(
         "--epp-image=registry.example.com/mirror/gateway-api-inference-extension/epp:v1.5.0",
         "--cluster-domain=cluster.example",
         "--liveness=http://0.0.0.0:9090/healthz",
+        "--metrics-bind-address=0.0.0.0:9091",
         f"--peering={operator}",
         "--log-format=json",
         "--prometheus-address=http://prometheus.monitoring.svc:9090",
@@ -468,6 +476,14 @@ def test_full_values_render_is_accepted_by_the_api_server(
     assert monitor["podMetricsEndpoints"] == [
         {"port": "http", "path": "/metrics", "interval": "10s"}
     ]
+    # The operator's own metrics: its pod, in the release namespace, its labels kept.
+    operator_monitor = monitors[f"{RELEASE}-operator"]["spec"]
+    assert operator_monitor["namespaceSelector"] == {"matchNames": [namespace]}
+    assert operator_monitor["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "honorLabels": True, "interval": "10s"}
+    ]
+    pod_labels = by_kind["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert operator_monitor["selector"]["matchLabels"].items() <= pod_labels.items()
     dashboards = [d for d in docs if d["metadata"]["name"] == f"{RELEASE}-dashboard"]
     assert dashboards[0]["metadata"]["labels"]["grafana_dashboard_quire"] == "yes"
     assert dashboards[0]["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
@@ -506,10 +522,17 @@ def test_monitors_render_only_when_the_api_exists_or_asked(binaries: Binaries) -
         )
 
     assert monitor_kinds() == []
-    # Two PodMonitors: the engines' and the Endpoint Pickers'.
-    assert monitor_kinds(*monitoring) == ["PodMonitor"] * 2
+    # Three PodMonitors: the engines', the Endpoint Pickers' and the operator's.
+    assert monitor_kinds(*monitoring) == ["PodMonitor"] * 3
     assert monitor_kinds(*monitoring, "--set", "monitoring.podMonitor.enabled=false") == []
-    assert monitor_kinds("--set", "monitoring.podMonitor.enabled=true") == ["PodMonitor"] * 2
+    assert monitor_kinds("--set", "monitoring.podMonitor.enabled=true") == ["PodMonitor"] * 3
+    no_metrics = ["--set", "operator.metricsPort=0"]
+    assert monitor_kinds(*monitoring, *no_metrics) == ["PodMonitor"] * 2
+    rendered = render(binaries, NAMESPACE, *no_metrics)
+    (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-bind-address=0" in container["args"]
+    assert [p["name"] for p in container["ports"]] == ["liveness"]
     assert monitor_kinds("--set", "monitoring.serviceMonitor.enabled=true") == ["ServiceMonitor"]
 
 

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import yaml
@@ -187,20 +187,30 @@ def operator_argv(cluster: ClusterHandle, release: Release) -> list[str]:
     return args
 
 
+class OperatorRun(NamedTuple):
+    process: ManagedProcess
+    metrics_url: str  # the operator's Prometheus metrics
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
+            return str(answer.read().decode())
+
+
 @contextlib.contextmanager
-def run_operator(
-    cluster: ClusterHandle, release: Release, log_path: Path
-) -> Iterator[ManagedProcess]:
+def run_operator(cluster: ClusterHandle, release: Release, log_path: Path) -> Iterator[OperatorRun]:
     """``quire-operator`` on this machine, with the chart's args and its ServiceAccount token.
-    Only --liveness moves to a free loopback port; everything else is what the pod would run."""
-    port = free_port()
-    args = [a for a in operator_argv(cluster, release) if not a.startswith("--liveness=")]
+    Only --liveness and --metrics-bind-address move to free loopback ports; everything else is
+    what the pod would run."""
+    port, metrics_port = free_port(), free_port()
+    moved = ("--liveness=", "--metrics-bind-address=")
+    args = [a for a in operator_argv(cluster, release) if not a.startswith(moved)]
     script = Path(sys.executable).with_name("quire-operator")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "quire_operator"]
     env = shutil.which("env") or "/usr/bin/env"
     argv = [
         env, f"KUBECONFIG={release.kubeconfig}", f"PYTHONPATH={ROOT / 'operator'}",
         *command, *args, f"--liveness=http://127.0.0.1:{port}/healthz",
+        f"--metrics-bind-address=127.0.0.1:{metrics_port}",
     ]  # fmt: skip
     process = ManagedProcess("quire-operator", argv, log_path)
     try:
@@ -213,7 +223,7 @@ def run_operator(
             return None
 
         wait_for("the operator's liveness endpoint", healthy, lambda s: s == 200, timeout_s=60)
-        yield process
+        yield OperatorRun(process, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         process.stop(grace_s=15)
 
@@ -275,6 +285,10 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == release.service_account
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "--metrics-bind-address=0.0.0.0:8081" in pod["containers"][0]["args"]
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in pod["containers"][0][
+        "ports"
+    ]
     role = kubectl_json(cluster, "get", "clusterrole", operator)
     assert role["rules"] == [*NAMESPACED_RULES, peering_rule("clusterkopfpeerings")]
     assert_no_wildcards(role["rules"])
@@ -289,7 +303,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
     ]
 
     # Sufficient: the real operator, as the ServiceAccount, reconciles the examples.
-    with run_operator(cluster, release, tmp_path / "operator.log") as process:
+    with run_operator(cluster, release, tmp_path / "operator.log") as run:
         apply_example(cluster, workload, "tiny-cpu.yaml")
         apply_example(cluster, workload, "gpu-autoscaling.yaml")
         # As the README's tour tells users to wait for it.
@@ -302,6 +316,18 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
         assert tiny["status"]["readyReplicas"] == 1
         assert tiny["status"]["url"] == f"http://tiny-cpu.{workload}.svc.cluster.local:8000"
         wait_ready(cluster, workload, "qwen-0-5b")
+        # The operator's own metrics count the Events it posted (on the chart's metrics port
+        # in the pod; moved to loopback here).
+        ready_events = (
+            f'quire_operator_events_total{{name="tiny-cpu",namespace="{workload}",'
+            'reason="Ready",type="Normal"} 1.0'
+        )
+        wait_for(
+            "the operator's metrics to count tiny-cpu's Ready Event",
+            run.metrics,
+            lambda text: ready_events in text.splitlines(),
+            timeout_s=30,
+        )
         hpa = cluster.json(
             cluster.autoscaling.read_namespaced_horizontal_pod_autoscaler("qwen-0-5b", workload)
         )
@@ -350,7 +376,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
                 lambda got: got.returncode != 0 and "NotFound" in got.stderr,
                 timeout_s=30,
             )
-        log = process.log_path.read_text()
+        log = run.process.log_path.read_text()
     assert not forbidden_lines(log), "\n".join(forbidden_lines(log))
     # With OwnerReferencesPermissionEnforcement on (tests/cluster/launcher.py), these owner
     # references were admitted only because the chart grants update on the finalizers.
@@ -512,7 +538,7 @@ def test_namespaced_mode_is_confined_to_one_namespace(
             {"kind": "ServiceAccount", "name": release.service_account, "namespace": namespace}
         ]
 
-        with run_operator(cluster, release, tmp_path / "operator.log") as process:
+        with run_operator(cluster, release, tmp_path / "operator.log") as run:
             apply_example(cluster, workload, "tiny-cpu.yaml")
             apply_example(cluster, namespace, "tiny-cpu.yaml")  # outside its namespace
             wait_ready(cluster, workload, "tiny-cpu")
@@ -521,7 +547,7 @@ def test_namespaced_mode_is_confined_to_one_namespace(
             assert cluster.kubectl("get", "deployment", "tiny-cpu", "-n", namespace).returncode == 1
             peering = kubectl_json(cluster, "get", "kopfpeering", operator, "-n", workload)
             assert peering["metadata"]["namespace"] == workload
-            log = process.log_path.read_text()
+            log = run.process.log_path.read_text()
         assert "--namespace=" + workload in operator_argv(cluster, release)
         assert not forbidden_lines(log), "\n".join(forbidden_lines(log))
 
