@@ -236,7 +236,7 @@ def test_requests_at_zero_are_held_until_a_replica_is_ready_and_excess_gets_503(
     )
     poll(
         f"the operator's wake-up counter at {woken} (its ScaledFromZero Events)",
-        lambda: operator.sample("quire_operator_wakeups_total", **labels),
+        lambda: operator.sample("quire_operator_wakeups_total", labels),
         lambda value: value == woken,
         30,
     )

@@ -17,6 +17,7 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -83,11 +84,11 @@ class OperatorProcess:
         with urllib.request.urlopen(url, timeout=5) as response:
             return str(response.read().decode())
 
-    def sample(self, name: str, **labels: str) -> float:
-        """The value of the operator's sample ``name`` with exactly ``labels`` (0 if absent)."""
+    def sample(self, metric: str, labels: Mapping[str, str]) -> float:
+        """The value of the operator's sample ``metric`` with exactly ``labels`` (0 if absent)."""
         for family in text_string_to_metric_families(self.metrics()):
             for sample in family.samples:
-                if sample.name == name and sample.labels == labels:
+                if sample.name == metric and sample.labels == labels:
                     return float(sample.value)
         return 0.0
 
