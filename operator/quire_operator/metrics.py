@@ -9,7 +9,8 @@ and their hold time are the Endpoint Picker's metrics (docs/autoscaling.md), not
 
 Series carry the InferenceService's ``namespace`` and ``name`` (kube-state-metrics' convention;
 the chart's PodMonitor keeps them with ``honorLabels``). Counters start at zero when the
-operator starts, as every Prometheus counter does after a restart.
+operator starts, as every Prometheus counter does after a restart; the series of a deleted
+InferenceService stay until then (one per Event reason it had, so a handful per service).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class OperatorMetrics:
         labels = ["namespace", "name"]
         self.events = Counter(
             "quire_operator_events",
-            "Events the operator posted about an InferenceService, by type (Normal, Warning) "
-            "and reason (Applied, Scaled, ScaledToZero, ScaledFromZero, Ready, NotReady, a "
-            "Degraded reason, Recovered, ...)",
+            "Events the operator recorded about an InferenceService (counted also when the API "
+            "server refused the Event), by type (Normal, Warning) and reason (Applied, Scaled, "
+            "ScaledToZero, ScaledFromZero, Ready, NotReady, a Degraded reason, Recovered, ...)",
             [*labels, "type", "reason"],
             registry=self.registry,
         )
