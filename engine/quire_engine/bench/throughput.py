@@ -265,6 +265,12 @@ class _QuireRun:
     profile: dict[str, Any] | None
 
 
+def _warm_up(llm: LLM, prompts: list[list[int]]) -> None:
+    """Four short greedy requests on prompts that share no KV block with the workload."""
+    warm = warm_up_prompts(prompts, 4)
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4)] * len(warm))
+
+
 def _quire(
     model: PreTrainedModel,
     tmp: Path,
@@ -278,8 +284,7 @@ def _quire(
     llm = quire_llm(model, tmp, budget, args)
     kv = llm.engine.scheduler.kv
     params = request_params(lengths)
-    warm = warm_up_prompts(prompts, 4)
-    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4)] * len(warm))
+    _warm_up(llm, prompts)
     hits = kv.prefix_hits
     log = roofline.StepLog()
     with log.attach(llm.engine):  # a few microseconds per step of ~10-100 ms
@@ -324,8 +329,7 @@ def _tensor_parallel(
     with quire_llm(model, tmp, budget, args, tensor_parallel_size=size) as llm:
         group = llm.engine.parallel
         assert group is not None
-        warm = warm_up_prompts(prompts, 4)
-        llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=4)] * len(warm))
+        _warm_up(llm, prompts)
         comm0, send0, steps0 = group.comm.comm_seconds, group.publish_seconds, group.steps
         t0 = time.perf_counter()
         outs = llm.generate(prompts, request_params(lengths))
