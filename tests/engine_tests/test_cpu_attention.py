@@ -5,22 +5,15 @@ prefix, and writes K/V into the same slots. Both paths cut decode batches with o
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
 
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
+from quire_engine.kernels import paged_attention_reference as reference_module
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
-from quire_engine.kernels.paged_attention import (
-    PagedAttentionInputs,
-    decode_chunks,
-    paged_attention_reference,
-)
-
-# The module, not the function the package re-exports under the same name.
-paged_attention_module = importlib.import_module("quire_engine.kernels.paged_attention")
+from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
+from quire_engine.kernels.paged_attention_reference import decode_chunks, paged_attention_reference
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -29,7 +22,7 @@ def test_plan_equals_reference(
     monkeypatch: pytest.MonkeyPatch, block_size: int, one_seq_per_chunk: bool
 ) -> None:
     if one_seq_per_chunk:
-        monkeypatch.setattr(paged_attention_module, "_DECODE_CHUNK_BYTES", 1)
+        monkeypatch.setattr(reference_module, "_DECODE_CHUNK_BYTES", 1)
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, num_blocks = 8, 2, 16, 96
     # (context length after the step, new tokens): decode of ragged lengths, a fresh prompt,

@@ -18,7 +18,6 @@ GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import subprocess
 import sys
@@ -32,28 +31,26 @@ import torch
 import torch.nn.functional as F
 
 from quire_engine.bench import kernel as kernel_bench
-from quire_engine.kernels import (
-    HAS_TRITON,
-    INTERPRETED,
-    PagedAttentionInputs,
-    choose_num_splits,
+from quire_engine.kernels import paged_attention_reference as reference_module
+from quire_engine.kernels.kv_cache_ops import (
+    _write_kv_kernel,
     copy_blocks,
-    paged_attention,
-    paged_attention_reference,
     swap_blocks,
-    triton_usable,
     write_kv,
     write_kv_triton,
 )
-from quire_engine.kernels.kv_cache_ops import _write_kv_kernel
-from quire_engine.kernels.paged_attention import (
+from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
+from quire_engine.kernels.paged_attention_reference import paged_attention_reference
+from quire_engine.kernels.paged_attention_triton import (
     _merge_config,
     _merge_splits_kernel,
     _paged_attention_kernel,
     _stage1_config,
+    choose_num_splits,
+    paged_attention,
 )
+from quire_engine.kernels.triton_runtime import HAS_TRITON, INTERPRETED, triton_usable
 
-paged_attention_module = importlib.import_module("quire_engine.kernels.paged_attention")
 gpu = pytest.mark.gpu  # skipped without CUDA by the root conftest's hook
 
 
@@ -347,7 +344,7 @@ def test_reference_window_and_softcap_match_eager(
     one_seq_per_chunk: bool,
 ) -> None:
     if one_seq_per_chunk:
-        monkeypatch.setattr(paged_attention_module, "_DECODE_CHUNK_BYTES", 1)
+        monkeypatch.setattr(reference_module, "_DECODE_CHUNK_BYTES", 1)
     b = make_batch(
         specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
         sliding_window=window, softcap=softcap, seed=block_size,
@@ -385,7 +382,7 @@ def test_reference_matches_contiguous_attention(
     one_seq_per_chunk: bool,
 ) -> None:
     if one_seq_per_chunk:  # the decode batch is cut into chunks; make every chunk one sequence
-        monkeypatch.setattr(paged_attention_module, "_DECODE_CHUNK_BYTES", 1)
+        monkeypatch.setattr(reference_module, "_DECODE_CHUNK_BYTES", 1)
     specs = [
         (block_size - 1, 1),  # decode ending on a block boundary
         (block_size, 1),  # ... and just past it
@@ -430,15 +427,18 @@ def test_package_imports_without_triton() -> None:
     Triton launchers refuse with a ValueError."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, quire_engine.kernels as k\n"
-        "assert not k.HAS_TRITON and not k.triton_usable('cuda')\n"
+        "import torch\n"
+        "from quire_engine.kernels import paged_attention_inputs as pa, triton_runtime as rt\n"
+        "from quire_engine.kernels import paged_attention_reference as r\n"
+        "from quire_engine.kernels import paged_attention_triton as t\n"
+        "assert not rt.HAS_TRITON and not rt.triton_usable('cuda')\n"
         "q = torch.randn(1, 2, 16); c = torch.randn(2, 4, 2, 16); i = torch.int32\n"
         "args = (q, c, c, torch.tensor([[1]], dtype=i), torch.tensor([3], dtype=i),\n"
         "        torch.tensor([0, 1], dtype=i), 0.25)\n"
-        "out = k.paged_attention_reference(k.PagedAttentionInputs(*args, 1, 3))\n"
+        "out = r.paged_attention_reference(pa.PagedAttentionInputs(*args, 1, 3))\n"
         "assert out.shape == q.shape\n"
         "try:\n"
-        "    k.paged_attention(k.PagedAttentionInputs(*args, 1, 3))\n"
+        "    t.paged_attention(pa.PagedAttentionInputs(*args, 1, 3))\n"
         "except ValueError as e:\n"
         "    assert 'triton is not installed' in str(e)\n"
         "else:\n"

@@ -35,12 +35,9 @@ import torch.nn.functional as F
 
 from quire_engine.cpu import native
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
-from quire_engine.kernels import (
-    PagedAttentionInputs,
-    choose_num_splits,
-    paged_attention,
-    triton_usable,
-)
+from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
+from quire_engine.kernels.paged_attention_triton import choose_num_splits, paged_attention
+from quire_engine.kernels.triton_runtime import triton_usable
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

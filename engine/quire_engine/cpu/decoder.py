@@ -54,7 +54,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.cpu.native import DecoderArgs, DecoderDecode
 from quire_engine.cpu.paged_attention import check_decode_tables
-from quire_engine.kernels.paged_attention import LayerAttention
+from quire_engine.kernels.paged_attention_inputs import LayerAttention
 
 # Causal LM class -> (its model, decoder layer, attention, MLP and RMSNorm classes): checked
 # exactly (a subclass may compute something else).

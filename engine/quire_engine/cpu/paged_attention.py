@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from quire_engine.cpu.native import PagedDecode
-from quire_engine.kernels.paged_attention import attend_decode, decode_chunks
+from quire_engine.kernels.paged_attention_reference import attend_decode, decode_chunks
 
 
 @dataclass(frozen=True, slots=True)

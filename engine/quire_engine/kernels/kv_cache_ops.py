@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from quire_engine.kernels import HAS_TRITON, check_launchable, jit, triton_usable
+from quire_engine.kernels.triton_runtime import HAS_TRITON, check_launchable, jit, triton_usable
 
 if HAS_TRITON:
     import triton.language as tl

@@ -29,12 +29,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from quire_engine.cpu.paged_attention import LazyCpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv
-from quire_engine.kernels.paged_attention import LayerAttention as LayerAttention
-from quire_engine.kernels.paged_attention import (
-    PagedAttentionInputs,
-    paged_attention,
-    paged_attention_reference,
-)
+from quire_engine.kernels.paged_attention_inputs import LayerAttention as LayerAttention
+from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
+from quire_engine.kernels.paged_attention_reference import paged_attention_reference
+from quire_engine.kernels.paged_attention_triton import paged_attention
 
 # LayerAttention (what one layer's attention call asks for, as inspect_layers observes it) is
 # defined with the kernels, as the CPU backend reads it too and imports nothing from this layer;

@@ -33,8 +33,8 @@ from quire_engine.cpu import decoder as decoder_cpu
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.cpu import native
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
-from quire_engine.kernels import triton_usable
 from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
+from quire_engine.kernels.triton_runtime import triton_usable
 from quire_engine.model import attention
 
 logger = logging.getLogger(__name__)
