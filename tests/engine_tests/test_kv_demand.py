@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from quire_engine.core.config import CacheConfig, SchedulerConfig
-from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, Scheduler, kv_demand_blocks
+from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import Sequence, SequenceStatus
+from quire_engine.core.stats import KV_DEMAND_OUTPUT_SHARE, kv_demand_blocks
 from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 from quire_engine.engine.recorder import StatsRecorder
 

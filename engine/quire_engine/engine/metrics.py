@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quire_engine.core.config import CacheConfig, PreemptionMode
-from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE
 from quire_engine.core.sequence import FinishReason
+from quire_engine.core.stats import KV_DEMAND_OUTPUT_SHARE
 from quire_engine.engine import vllm_metrics
 from quire_engine.engine.histogram import BatchHistogram, Exposure, buckets_1_2_5
 from quire_engine.engine.startup import StartupPhase

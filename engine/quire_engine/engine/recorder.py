@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from quire_engine.core.config import PreemptionMode
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
-from quire_engine.core.scheduler import SchedulerStats
 from quire_engine.core.sequence import FinishReason
+from quire_engine.core.stats import SchedulerStats
 from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 
 logger = logging.getLogger(__name__)
