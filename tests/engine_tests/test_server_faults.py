@@ -17,7 +17,7 @@ import pytest
 from quire_engine import LLM, SamplingParams
 from quire_engine.engine import llm_engine as engine_module
 from quire_engine.model.sampler import SampleRow
-from quire_engine.server import app as server_module
+from quire_engine.server import job as server_job
 from quire_engine.server import prompt_encoder
 from tests.engine_tests.live_server import (
     EngineHolder,
@@ -189,7 +189,7 @@ def test_an_unhandled_exception_answers_in_openai_shape(
     def broken(*_: object) -> None:
         raise ZeroDivisionError("injected")
 
-    monkeypatch.setattr(server_module, "usage", broken)
+    monkeypatch.setattr(server_job, "usage", broken)
     body = {"prompt": "abc", "max_tokens": 2}
     error = error_of(httpx2.post(f"{server.base_url}/completions", json=body), 500)
     assert error["type"] == "server_error" and error["code"] == "internal_error"
