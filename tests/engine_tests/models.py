@@ -249,7 +249,7 @@ def _print_seed_margins(archs: list[str], seeds: range) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from tests.engine_tests.test_llm_equivalence import MAX_TOKENS, prompts
+    from tests.engine_tests.model.test_llm_equivalence import MAX_TOKENS, prompts
 
     with tempfile.TemporaryDirectory() as root:
         for arch in archs:

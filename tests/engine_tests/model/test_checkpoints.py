@@ -22,8 +22,8 @@ from quire_engine.model import loader as model_loader
 from quire_engine.model.attention import inspect_layers
 from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.live_server import serve, tiny_settings
+from tests.engine_tests.model.test_llm_equivalence import MAX_TOKENS, hf_reference, prompts
 from tests.engine_tests.models import COMMON, build
-from tests.engine_tests.test_llm_equivalence import MAX_TOKENS, hf_reference, prompts
 
 SMALL = {"num_blocks": 64, "max_model_len": 128, "device": "cpu"}
 

@@ -23,8 +23,8 @@ from tests.engine_tests.live_server import (
     serve,
     tiny_settings,
 )
-from tests.engine_tests.test_server_errors import error_of
-from tests.engine_tests.test_server_faults import assert_everyone_answered, in_flight
+from tests.engine_tests.server.test_server_errors import error_of
+from tests.engine_tests.server.test_server_faults import assert_everyone_answered, in_flight
 
 TP = {"tensor_parallel_size": 2}
 

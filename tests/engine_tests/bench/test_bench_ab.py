@@ -19,7 +19,7 @@ import torch
 from quire_engine.cpu import native
 from tests.engine_tests.toolchain import require_native_kernels
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _load(name: str = "ab") -> ModuleType:

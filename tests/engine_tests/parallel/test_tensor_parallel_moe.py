@@ -24,8 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from quire_engine import LLM
 from quire_engine.model import moe, sharding, weights
 from quire_engine.model.collectives import Collectives, Shard
+from tests.engine_tests.model.test_llm_equivalence import CORE_VARIANTS, check_greedy
 from tests.engine_tests.models import ARCHITECTURES, COMMON, build
-from tests.engine_tests.test_llm_equivalence import CORE_VARIANTS, check_greedy
 
 MOE = ("mixtral", "qwen3-moe")
 # Qwen3-MoE with layer 1 a plain MLP (``mlp_only_layers``, ``intermediate_size`` 128) after a MoE

@@ -24,7 +24,7 @@ from quire_engine.server.reasoning import ReasoningParserName
 from quire_engine.server.tool_choice import ToolSettings
 from quire_engine.server.tool_parsers import ToolParserName
 from tests.engine_tests.live_server import RunningServer, serve, sse_payloads, tiny_settings
-from tests.engine_tests.test_server_errors import still_serving
+from tests.engine_tests.server.test_server_errors import still_serving
 
 EXTREME_INTS = [0, -1, 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30]
 EXTREME_FLOATS = [0.0, -0.0, 1e-300, 1e308, float("nan"), float("inf"), float("-inf")]

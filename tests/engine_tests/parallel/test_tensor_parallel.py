@@ -18,8 +18,8 @@ import pytest
 from quire_engine import LLM, SamplingParams
 from quire_engine.core.config import EngineConfig
 from quire_engine.model.sharding import check
+from tests.engine_tests.model.test_llm_equivalence import CORE_VARIANTS, check_greedy
 from tests.engine_tests.models import ARCHITECTURES, COMMON
-from tests.engine_tests.test_llm_equivalence import CORE_VARIANTS, check_greedy
 
 MOE = {"mixtral", "qwen3-moe"}  # their matrix: test_tensor_parallel_moe.py
 FAST = [("llama", v, 2) for v in (*CORE_VARIANTS, "noprefix-bs16", "preempt-recompute")]

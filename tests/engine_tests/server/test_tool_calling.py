@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from quire_engine.server.tool_choice import ToolSettings
 from quire_engine.server.tool_parsers import ToolParserName
 from tests.engine_tests.live_server import RunningServer, serve, sse_payloads, tiny_settings
-from tests.engine_tests.test_structured_outputs import BIAS, SCHEMAS, valid
+from tests.engine_tests.structured.test_structured_outputs import BIAS, SCHEMAS, valid
 
 TOOL_TEMPLATE = (
     "{% if tools %}<|system|>\nTools:{% for tool in tools %} {{ tool.function.name }}"

@@ -26,7 +26,7 @@ import pytest
 from quire_engine.cpu import native
 from tests.engine_tests.toolchain import WARNING_FLAGS, asan_runtime, require_compiler
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_flag_set_compiles_without_warnings(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def test_triton_interpreter_suite() -> None:
         pytest.skip("the interpreter is live in this process: the tests ran here")
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "interpreted",
          "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning"],
@@ -444,7 +444,7 @@ def test_package_imports_without_triton() -> None:
         "else:\n"
         "    raise SystemExit('no ValueError')\n"
     )
-    engine_dir = Path(__file__).resolve().parents[2] / "engine"
+    engine_dir = Path(__file__).resolve().parents[3] / "engine"
     env = {
         **os.environ,
         "PYTHONPATH": f"{engine_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -223,7 +223,7 @@ def test_engine_serves_contexts_longer_than_its_pool(model_dirs: dict[str, Path]
     most 16 tokens: prompts up to 64 tokens growing to 88 stay token-exact against transformers,
     log-probabilities within 1e-4."""
     from quire_engine import LLM, SamplingParams
-    from tests.engine_tests.test_llm_equivalence import (
+    from tests.engine_tests.model.test_llm_equivalence import (
         LOGPROB_TOLERANCE,
         MAX_TOKENS,
         hf_reference,

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.model.tiny_model import build_tokenizer
+from tests.engine_tests.model.test_llm_equivalence import ALL_LAYERS_SLIDING, MAX_TOKENS, prompts
 from tests.engine_tests.models import ARCHITECTURES, greedy_reference
-from tests.engine_tests.test_llm_equivalence import ALL_LAYERS_SLIDING, MAX_TOKENS, prompts
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA by the root conftest's hook
 

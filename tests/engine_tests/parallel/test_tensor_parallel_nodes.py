@@ -31,9 +31,9 @@ from tests.engine_tests.live_server import (
     serve,
     tiny_settings,
 )
-from tests.engine_tests.test_server_errors import error_of
-from tests.engine_tests.test_server_faults import assert_everyone_answered, in_flight
-from tests.engine_tests.test_tensor_parallel_faults import _children, kill_mid_stream
+from tests.engine_tests.parallel.test_tensor_parallel_faults import _children, kill_mid_stream
+from tests.engine_tests.server.test_server_errors import error_of
+from tests.engine_tests.server.test_server_faults import assert_everyone_answered, in_flight
 from tests.waiting import wait_until
 
 PROMPTS = ["Hello", "The quick brown fox", "a"]

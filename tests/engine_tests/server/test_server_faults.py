@@ -26,7 +26,7 @@ from tests.engine_tests.live_server import (
     sse_payloads,
     tiny_settings,
 )
-from tests.engine_tests.test_server_errors import error_of, still_serving
+from tests.engine_tests.server.test_server_errors import error_of, still_serving
 
 POISON_SEED = 424_242
 LONG = {"prompt": "keep going", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
