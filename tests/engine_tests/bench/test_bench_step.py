@@ -10,7 +10,7 @@ import numpy as np
 from quire_engine.cli import main
 from quire_engine.core.config import CacheConfig, SchedulerConfig
 from quire_engine.core.scheduler import Scheduler
-from quire_engine.core.sequence import Sequence
+from quire_engine.core.sequence import FinishReason, Sequence
 from quire_engine.model.runner import build_step_inputs
 
 
@@ -64,4 +64,4 @@ def test_step_inputs_match_the_scheduler() -> None:
     assert build_step_inputs(third).positions.tolist() == [7, 13]
     assert build_step_inputs(third).input_ids.tolist() == [98, 97]
     for s in (a, b):
-        sched.finish(s, "abort")
+        sched.finish(s, FinishReason.ABORT)

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quire_engine import LLM
+from quire_engine.core.outputs import CompletionOutput
 from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.ties import assert_ranking_tie_free
 
@@ -43,6 +44,11 @@ def tiny_vocab_model(path: Path, vocab: int) -> Path:
     return path
 
 
+def _cumulative(out: CompletionOutput) -> float:
+    assert out.cumulative_logprob is not None, "a beam reports its cumulative log-probability"
+    return out.cumulative_logprob
+
+
 def sequence_logprobs(model: LlamaForCausalLM, continuations: list[list[int]]) -> list[float]:
     """Sum of log p(token) over each continuation, from full recomputation (no cache)."""
     ids = torch.tensor([PROMPT + c for c in continuations])
@@ -68,7 +74,7 @@ def test_wide_beam_equals_exhaustive_search(tmp_path: Path) -> None:
     beams = llm.beam_search([PROMPT], beam_width=vocab**2, max_tokens=length, ignore_eos=True)
     outs = beams[0].outputs
     assert len(outs) == vocab**2
-    got = [o.cumulative_logprob for o in outs]
+    got = [_cumulative(o) for o in outs]
     assert got == sorted(got, reverse=True)
     assert [o.token_ids for o in outs] == [c for _, c in best]
     for out, (score, _) in zip(outs, best, strict=True):
@@ -129,8 +135,8 @@ def test_narrow_beam_matches_reference_and_shares_blocks(
         shared_seen = max(shared_seen, sum(1 for b in pool.blocks if b.ref_count > 1))
     assert final is not None
     assert [o.token_ids for o in final.outputs] == [b for b, _ in expected]
-    for out, (_, score) in zip(final.outputs, expected, strict=True):
-        assert out.cumulative_logprob == pytest.approx(score, abs=SCORE_TOLERANCE)
+    for beam, (_, score) in zip(final.outputs, expected, strict=True):
+        assert beam.cumulative_logprob == pytest.approx(score, abs=SCORE_TOLERANCE)
     assert shared_seen >= 1  # beams shared the prompt's full block through fork
     assert llm.kv_cache_stats().used == 0
     llm.close()

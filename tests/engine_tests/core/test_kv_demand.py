@@ -10,7 +10,7 @@ import pytest
 
 from quire_engine.core.config import CacheConfig, SchedulerConfig
 from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, Scheduler, kv_demand_blocks
-from quire_engine.core.sequence import Sequence, SequenceStatus
+from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 from quire_engine.engine.recorder import StatsRecorder
 
@@ -31,7 +31,7 @@ def step(sched: Scheduler) -> None:
 
 def finish_all(sched: Scheduler) -> None:
     for seq in list(sched.seqs.values()):
-        sched.finish(seq, "abort")
+        sched.finish(seq, FinishReason.ABORT)
 
 
 def test_share_is_documented_default() -> None:

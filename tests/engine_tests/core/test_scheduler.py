@@ -7,7 +7,7 @@ import pytest
 
 from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
 from quire_engine.core.scheduler import Scheduler, SchedulerOutput
-from quire_engine.core.sequence import Sequence, SequenceStatus
+from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def make(
@@ -338,5 +338,5 @@ def test_decode_into_fresh_block_takes_the_queue_head() -> None:
     out = run_step(sched)  # position 2 needs a fresh block: the free queue's head, block 1
     assert [t.tolist() for t in out.block_tables] == [[0, 1]] and out.start_positions == [2]
     assert sched.kv.ref_counts("a") == [1, 1]
-    sched.finish(a, "abort")
+    sched.finish(a, FinishReason.ABORT)
     assert sched.kv.stats().used == 0

@@ -72,7 +72,9 @@ def test_released_block_stays_cached_for_a_prefix_hit() -> None:
     b = Sequence("b", list(range(12)), max_tokens=4)
     hits = kv.computed_blocks(b)  # the released block 0 still holds its hash
     assert [h.block_id for h in hits] == [0, 1]
-    b.num_computed_tokens = kv.allocate_with_prefix(b, 4, hits)  # as the scheduler does
+    computed = kv.allocate_with_prefix(b, 4, hits)  # as the scheduler does
+    assert computed is not None
+    b.num_computed_tokens = computed
     assert b.num_computed_tokens == 8
     assert kv.block_ids("b") == [0, 1, 3]
     assert kv.ref_counts("b") == [1, 2, 1]

@@ -16,7 +16,7 @@ is written. The HF equivalence suite runs its decode steps through this path too
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 import transformers as tf
 
 from quire_engine import LLM, SamplingParams
+from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
 from quire_engine.cpu import decoder as decoder_cpu
 from quire_engine.model.runner import ModelRunner
 from quire_engine.model.tiny_model import build_tokenizer
@@ -273,7 +274,14 @@ def _captured_inputs(llm: LLM) -> tuple[decoder_cpu.DecoderStack, list[np.ndarra
     calls: list[list[np.ndarray]] = []
     decode = stack.decode
 
-    def capturing(*args: np.ndarray) -> torch.Tensor:
+    def capturing(
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        tables: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> torch.Tensor:
+        args = [input_ids, positions, slots, tables, seq_lens]
         calls.append([a.copy() for a in args])
         return decode(*args)
 
@@ -353,8 +361,10 @@ def test_a_rows_logits_do_not_depend_on_its_batch(tmp_path: Path) -> None:
     seen: dict[int, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording(out: Any) -> torch.Tensor:
-        logits = execute(out)
+    def recording(
+        out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
+    ) -> torch.Tensor:
+        logits = execute(out, prompt_spans)
         for row, seq in enumerate(out.seqs):
             if seq.prompt_token_ids == [5]:
                 seen.setdefault(len(out.seqs), []).append(logits[row].clone())

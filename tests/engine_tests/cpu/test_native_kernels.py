@@ -179,7 +179,7 @@ def _mixed_step(block_size: int) -> dict[str, np.ndarray | int]:
 
 def test_plan_with_native_decode_equals_torch_plan(kernel: native.PagedDecode) -> None:
     step = _mixed_step(4)
-    num_blocks = int(step.pop("num_blocks"))  # type: ignore[call-overload]
+    num_blocks = int(step.pop("num_blocks"))
     heads, kv_heads, head_dim = 8, 2, 32
     gen = torch.Generator().manual_seed(4)
     num_tokens = len(step["slots"])  # type: ignore[arg-type]
@@ -188,7 +188,7 @@ def test_plan_with_native_decode_equals_torch_plan(kernel: native.PagedDecode) -
     key = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
     value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
     q = torch.randn(num_tokens, heads, head_dim, generator=gen)
-    write_kv_reference(key, value, k, v, torch.from_numpy(step["slots"]))  # type: ignore[arg-type]
+    write_kv_reference(key, value, k, v, torch.from_numpy(step["slots"]))
     common = {**step, "num_kv_heads": kv_heads, "head_dim": head_dim}
     torch_plan = CpuAttentionPlan.build(**common)  # type: ignore[arg-type]
     native_plan = CpuAttentionPlan.build(**common, native=kernel)  # type: ignore[arg-type]
@@ -230,14 +230,14 @@ def test_plan_takes_windowed_layers_only_in_pure_decode_steps(kernel: native.Pag
 
 def test_plan_refuses_indices_outside_the_pool(kernel: native.PagedDecode) -> None:
     step = _mixed_step(4)
-    num_blocks = int(step.pop("num_blocks"))  # type: ignore[call-overload]
+    num_blocks = int(step.pop("num_blocks"))
     common = {**step, "num_kv_heads": 1, "head_dim": 8, "native": kernel}
     plan = CpuAttentionPlan.build(**common)  # type: ignore[arg-type]
     small = torch.zeros(num_blocks - 3, 4, 1, 8)  # too small for the tables' block ids
     q = torch.zeros(len(step["slots"]), 1, 8)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside a pool"):
         plan.attend(q, small, small.clone(), 1.0)
-    long = {**common, "seq_lens": step["seq_lens"] * 100}  # type: ignore[operator]
+    long = {**common, "seq_lens": step["seq_lens"] * 100}
     with pytest.raises(ValueError, match="outside their block tables"):
         CpuAttentionPlan.build(**long)  # type: ignore[arg-type]
     pool = torch.zeros(num_blocks, 4, 1, 8, dtype=torch.float64)

@@ -80,7 +80,9 @@ def test_each_row_is_independent_of_batch_and_threads(kernel: native.SkinnyLinea
     # Every tile shape: 1-4 rows (wide in W), one group of 5-6 (with AVX-512, 1-6 rows keep
     # their accumulators as 8-lane halves and 7 or more do not: the same bits either way),
     # groups of near-equal sizes (7 rows: 4 + 3; 11: 6 + 5; 16: 6 + 5 + 5).
-    slices = (range(1), range(3, 4), range(2, 4), range(4, 7), range(8, 12), range(0, 5))
+    slices: tuple[range, ...] = (
+        range(1), range(3, 4), range(2, 4), range(4, 7), range(8, 12), range(0, 5)
+    )  # fmt: skip
     slices = (*slices, range(5, 12))
     for rows in (*slices, range(10, 16), range(1, 8), range(0, 11)):
         part = torch.empty(len(rows), 45)
@@ -162,6 +164,7 @@ def test_router_sends_few_fp32_rows_to_the_kernel_and_the_rest_to_torch(
     kernel._fn = counting  # type: ignore[assignment]
     try:
         first = model[0]
+        assert isinstance(first, torch.nn.Linear)
         with torch.inference_mode():
             few = torch.randn(2, 8, 24)  # 16 rows: the kernel
             got = first(few)
@@ -181,7 +184,7 @@ def test_router_sends_few_fp32_rows_to_the_kernel_and_the_rest_to_torch(
         assert x.grad is not None and y.grad is not None
         assert calls == [16] and big == [linear_cpu.MAX_ROWS + 1]
     finally:
-        kernel._fn = real  # type: ignore[assignment]
+        kernel._fn = real
 
 
 def test_the_gemm_above_the_few_row_range_matches_torch() -> None:
@@ -202,19 +205,20 @@ def test_the_gemm_above_the_few_row_range_matches_torch() -> None:
 
 
 class _Scaled(torch.nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return 2 * super().forward(x)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(input)
 
 
 def test_router_leaves_linears_with_another_forward_alone(kernel: native.SkinnyLinear) -> None:
     hooked = torch.nn.Linear(4, 4)
-    hooked.forward = lambda x: x  # type: ignore[method-assign]  # e.g. an offload hook
-    model = torch.nn.Sequential(_Scaled(4, 4), hooked, torch.nn.Linear(4, 4))
+    hooked.forward = lambda input: input  # type: ignore[method-assign]  # e.g. an offload hook
+    scaled = _Scaled(4, 4)
+    model = torch.nn.Sequential(scaled, hooked, torch.nn.Linear(4, 4))
     assert linear_cpu.install(model, kernel) == 1
     assert [linear_cpu.routed(m) for m in model] == [False, False, True]
     x = torch.randn(2, 4)
     with torch.inference_mode():
-        assert torch.equal(model[0](x), 2 * F.linear(x, model[0].weight, model[0].bias))
+        assert torch.equal(model[0](x), 2 * F.linear(x, scaled.weight, scaled.bias))
         assert model[1](x) is x
 
 

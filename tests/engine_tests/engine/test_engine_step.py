@@ -6,6 +6,7 @@ reports exactly what the general path reports, step by step."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ def _run(engine: LLMEngine, requests: list[tuple[str, int | None]]) -> dict[str,
     return done
 
 
-def _tokens(out: RequestOutput) -> list[list[int]]:
+def _tokens(out: RequestOutput) -> list[Sequence[int]]:
     return [o.token_ids for o in out.outputs]
 
 

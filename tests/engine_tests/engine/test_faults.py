@@ -13,7 +13,7 @@ the fault feeds everyone identical logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -117,7 +117,7 @@ def test_a_fault_in_stop_checking_fails_only_that_request(
                 raise IndexError("injected stop-check fault")
         return real(text, new_len, stops)
 
-    bad = SamplingParams(temperature=0.0, max_tokens=LAST, stop=["POISON"], ignore_eos=True)
+    bad = SamplingParams(temperature=0.0, max_tokens=LAST, stop=("POISON",), ignore_eos=True)
     clean = run(llm, "stop me", bad)
     monkeypatch.setattr(engine_module, "find_stop", find_stop)
     outs = run(llm, "stop me", bad)
@@ -128,7 +128,7 @@ def test_a_fault_in_stop_checking_fails_only_that_request(
 def test_a_fault_in_one_beam_step_fails_only_that_beam_search(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def beams(out: RequestOutput) -> list[tuple[list[int], float | None, str | None]]:
+    def beams(out: RequestOutput) -> list[tuple[Sequence[int], float | None, str | None]]:
         return [(o.token_ids, o.cumulative_logprob, o.finish_reason) for o in out.outputs]
 
     prompts = ["beam a", "beam poisoned", "beam b"]
@@ -165,7 +165,7 @@ def test_add_is_transactional(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None
         engine.add_request("b", "x", SamplingParams(temperature=0.0), beam_width=9)
     untouched()
     with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 320\); got \[320\]"):
-        engine.add_request("c", "x", SamplingParams(stop_token_ids=[320]))
+        engine.add_request("c", "x", SamplingParams(stop_token_ids=(320,)))
     untouched()
     with pytest.raises(ValueError, match="more than max_model_len=128"):
         engine.add_request("d", "y" * 200, GREEDY)
@@ -220,7 +220,7 @@ def test_extreme_but_valid_values_generate() -> None:
         SamplingParams(n=3, seed=2**63 - 1, max_tokens=4),  # seed + j beyond int64
         SamplingParams(seed=-(2**63), min_p=1.0, max_tokens=4),
         SamplingParams(presence_penalty=2, frequency_penalty=-2, max_tokens=4, seed=4),
-        SamplingParams(stop=[f"stop{i}" for i in range(32)], stop_token_ids=list(range(32))),
+        SamplingParams(stop=tuple(f"stop{i}" for i in range(32)), stop_token_ids=tuple(range(32))),
         SamplingParams(temperature=0.0, max_tokens=2**70, ignore_eos=True),  # to max_model_len
         SamplingParams(logprobs=20, max_tokens=4, seed=5),
     ]

@@ -91,7 +91,7 @@ def test_bad_engine_config(kwargs: dict[str, object], message: str) -> None:
 )
 def test_bad_device_and_dtype(kwargs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(num_blocks=8, max_model_len=64, **kwargs)  # type: ignore[arg-type]
+        LLM(num_blocks=8, max_model_len=64, **kwargs)
 
 
 def test_bad_prompts_and_engine_keeps_running(llm: LLM) -> None:

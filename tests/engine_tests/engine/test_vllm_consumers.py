@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import NamedTuple
+from typing import Literal, NamedTuple, TypedDict
 
 import httpx2
 import pytest
@@ -114,13 +114,21 @@ def epp_view(text: str) -> EppView:
     )
 
 
+class LongStream(TypedDict):
+    """A streamed completion long enough to keep running while the test reads the metrics."""
+
+    max_tokens: int
+    stream: Literal[True]
+    extra_body: dict[str, object]
+
+
 @pytest.fixture(scope="module")
 def busy_scrape() -> str:
     """/metrics while one request runs and one waits (``max_num_seqs`` 1): the first one is long
     enough (2000 tokens) to still run when the second is queued; both are then closed (aborted)
     and the server is idle again before any test runs."""
     settings = tiny_settings({"max_num_seqs": 1, "max_model_len": 2048, "num_blocks": 256})
-    long = {"max_tokens": 2000, "stream": True, "extra_body": {"ignore_eos": True}}
+    long: LongStream = {"max_tokens": 2000, "stream": True, "extra_body": {"ignore_eos": True}}
     with serve(settings) as server, server.client() as client:
         with ExitStack() as streams:
             first = client.completions.create(model="tiny", prompt="a", **long)

@@ -132,8 +132,8 @@ def test_counters_count_exactly_the_traffic(vllm_workload: Workload) -> None:
     # The one-token request has no time per output token.
     assert value("vllm:request_time_per_output_token_seconds_count") == finished - 1
     cache = series(samples, "vllm:cache_config_info")
-    ((labels, one),) = cache.items()
-    assert one == 1 and dict(labels)["num_gpu_blocks"] == "8" and dict(labels)["block_size"] == "16"
+    ((info, one),) = cache.items()
+    assert one == 1 and dict(info)["num_gpu_blocks"] == "8" and dict(info)["block_size"] == "16"
 
 
 def test_the_exposition_parses_with_one_family_per_name(vllm_workload: Workload) -> None:

@@ -119,6 +119,7 @@ def test_half_precision_weights_on_cpu(dtype: str, model_dirs: dict[str, Path]) 
         [prompts()[0]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
     )[0].outputs[0]
     # One step from the same prompt: half-precision log-probabilities near fp32's.
+    assert out.logprobs is not None
     for token, logprob in out.logprobs[0].items():
         assert abs(logprob - float(ref.logprobs[0, token])) < 0.1
 

@@ -24,7 +24,8 @@ def test_cuda_float32_token_exact(arch: str, model_dirs: dict[str, Path]) -> Non
     """Every architecture through the Triton kernel (sliding windows, soft-caps, released
     blocks), with swap preemption forced by a small pool."""
     path = str(model_dirs[arch])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    # transformers wraps `cuda` with functools.wraps, which mypy cannot bind to the instance.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()  # type: ignore[call-arg]
     # Where every layer slides, released blocks leave room: one 88-token request's worth.
     pool = {"num_blocks": 11, "max_model_len": 88} if arch in ALL_LAYERS_SLIDING else {}
     llm = LLM(
@@ -34,7 +35,7 @@ def test_cuda_float32_token_exact(arch: str, model_dirs: dict[str, Path]) -> Non
         block_size=8,
         preemption_mode="swap",
         swap_space=0.01,
-        **{"num_blocks": 16, "max_model_len": 128} | pool,  # type: ignore[arg-type]
+        **{"num_blocks": 16, "max_model_len": 128} | pool,
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results = llm.generate(prompts(), params)
@@ -50,7 +51,8 @@ def test_cuda_pool_sized_by_profiling_an_eager_only_model(model_dirs: dict[str, 
     """No num_blocks: the pool is sized by a profiling forward, which must run for Gemma 2
     (transformers refuses SDPA for it) and leave a token-exact engine."""
     path = str(model_dirs["gemma2"])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    # transformers wraps `cuda` with functools.wraps, which mypy cannot bind to the instance.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()  # type: ignore[call-arg]
     llm = LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result = llm.generate([prompts()[2]], params)[0]
@@ -94,6 +96,7 @@ def test_cuda_bfloat16_logits_on_a_134m_model(tmp_path: Path) -> None:
             None,
         )
         # Compare the first step (same prefix by construction): top-20 log-probabilities.
+        assert ours.logprobs is not None
         diff = max(abs(lp - float(ref.logprobs[0, t])) for t, lp in ours.logprobs[0].items())
         report.append(
             {

@@ -76,7 +76,7 @@ def hf_reference(model_dir: str) -> list[GreedyPath]:
     return paths
 
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, object]] = {
     "prefix-bs16": {"block_size": 16, "enable_prefix_caching": True},
     "noprefix-bs16": {"block_size": 16, "enable_prefix_caching": False},
     "prefix-bs8": {"block_size": 8, "enable_prefix_caching": True},
@@ -131,11 +131,11 @@ def check_greedy(model_dir: str, arch: str, variant: str, **engine_args: object)
     # The reference must be diverse, or a broken kernel could pass by repeating one token.
     assert sum(len(set(path.tokens)) for path in reference) > 8 * len(reference)
 
-    kwargs: dict[str, object] = {"num_blocks": 64, "max_model_len": 128} | VARIANTS[variant]
+    kwargs: dict[str, object] = {"num_blocks": 64, "max_model_len": 128, **VARIANTS[variant]}
     if "preemption_mode" in kwargs and arch in ALL_LAYERS_SLIDING:
         # Released blocks leave room: 11 blocks (one 88-token request's worth) must preempt.
         kwargs |= {"num_blocks": 11, "max_model_len": 88}
-    with LLM(model_dir, device="cpu", max_num_seqs=16, **kwargs, **engine_args) as llm:  # type: ignore[arg-type]
+    with LLM(model_dir, device="cpu", max_num_seqs=16, **kwargs, **engine_args) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
         results = llm.generate(prompts(), params)
 

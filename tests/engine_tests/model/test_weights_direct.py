@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from quire_engine.model import loader, weights
 from tests.engine_tests.models import ARCHITECTURES, build
@@ -20,7 +20,7 @@ from tests.engine_tests.models import ARCHITECTURES, build
 CPU = torch.device("cpu")
 
 
-def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
+def assert_same_model(got: PreTrainedModel, want: PreTrainedModel) -> None:
     got_state, want_state = got.state_dict(), want.state_dict()
     assert list(got_state) == list(want_state)
     for name, tensor in want_state.items():

@@ -27,8 +27,8 @@ FAST = [("llama", v, 2) for v in (*CORE_VARIANTS, "noprefix-bs16", "preempt-reco
 
 def _heads(arch: str) -> tuple[int, int]:
     extra = ARCHITECTURES[arch][2]
-    heads = int(extra["num_attention_heads"])  # type: ignore[call-overload]
-    return heads, int(extra.get("num_key_value_heads", heads))  # type: ignore[call-overload]
+    heads = int(extra["num_attention_heads"])
+    return heads, int(extra.get("num_key_value_heads", heads))
 
 
 def _shards(arch: str, world: int) -> bool:

@@ -122,14 +122,14 @@ def test_rank_partial_outputs_sum_to_the_block(arch: str, model_dirs: dict[str, 
         for rank in range(2):
             from_files = _shard(path, rank, 2, weights.SafetensorsSlices(path, torch.float32))
             from_memory = _shard(path, rank, 2, fused)
-            block = from_files.model.layers[0].mlp
+            block = from_files.get_submodule("model.layers.0.mlp")
             assert isinstance(block, moe.ReducedMoE)  # its one all-reduce, none inside it
             assert not any(isinstance(m, sharding.RowParallelLinear) for m in block.modules())
-            other = from_memory.model.layers[0].mlp.block
+            other = from_memory.get_submodule("model.layers.0.mlp.block")
             for name, param in block.block.named_parameters():
                 assert torch.equal(param, other.get_parameter(name)), name
             assert (
-                block.block.experts.down_proj.shape[-1]
+                block.block.get_parameter("experts.down_proj").shape[-1]
                 == moe.expert_intermediate_size(full.config) // 2
             )
             parts.append(block(x))  # no group: this rank's partial sum

@@ -133,7 +133,11 @@ def test_sse_wire_format_ends_with_done(server: RunningServer) -> None:
 def test_chat_is_the_completion_of_the_templated_prompt(server: RunningServer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = server.client().chat.completions.create(
-        model="tiny", messages=messages, temperature=0, max_tokens=6, extra_body=NO_EOS
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]  # plain dicts, as users send them
+        temperature=0,
+        max_tokens=6,
+        extra_body=NO_EOS,
     )
     tokenizer = build_tokenizer()
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -147,7 +151,8 @@ def test_chat_is_the_completion_of_the_templated_prompt(server: RunningServer) -
 
 def test_async_client_streams_chats_concurrently(server: RunningServer) -> None:
     async def chat(client: object, content: str, stream: bool) -> str:
-        kwargs = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+        kwargs: dict[str, object] = {"model": "tiny"}
+        kwargs["messages"] = [{"role": "user", "content": content}]
         kwargs |= {"temperature": 0, "max_tokens": 6, "extra_body": NO_EOS}
         if not stream:
             response = await client.chat.completions.create(**kwargs)  # type: ignore[attr-defined]

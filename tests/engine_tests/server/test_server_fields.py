@@ -55,7 +55,7 @@ def test_echo_logprobs_match_the_generated_ones(server: RunningServer) -> None:
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     expected = gen.choices[0].logprobs.token_logprobs or []
     got = lp.token_logprobs[len(prompt) - len(generated) : len(prompt)]
-    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(got, expected, strict=True))  # type: ignore[arg-type]
+    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(got, expected, strict=True))
     assert echo.choices[0].text.startswith("Hello")
 
 

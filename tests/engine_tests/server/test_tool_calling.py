@@ -225,9 +225,11 @@ def test_openai_client_round_trip(tools_server: RunningServer) -> None:
     client = tools_server.client()
     obj = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}}
     tools: Any = [tool("weather", obj)]
-    first = client.chat.completions.create(
+    # The stubs want their message TypedDicts and integer biases; the API takes plain dicts and
+    # numbers, which is what this sends.
+    first = client.chat.completions.create(  # type: ignore[call-overload]
         model="tiny",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         tools=tools,
         tool_choice={"type": "function", "function": {"name": "weather"}},
         max_tokens=40,
@@ -303,7 +305,11 @@ def test_auto_needs_the_server_flag_and_a_template(server: RunningServer) -> Non
     response = httpx2.post(url, json={"messages": MESSAGES, "tools": [tool("w")]})
     assert response.status_code == 400
     assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
-    body = {"messages": MESSAGES, "tools": [tool("w")], "tool_choice": "required"}
+    body: dict[str, object] = {
+        "messages": MESSAGES,
+        "tools": [tool("w")],
+        "tool_choice": "required",
+    }
     response = httpx2.post(url, json=body)
     assert response.status_code == 400
     assert "does not render tools" in response.json()["error"]["message"]
