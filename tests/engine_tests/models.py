@@ -181,6 +181,20 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 
 
+def tiny_llama_config(**overrides: Any) -> tf.LlamaConfig:
+    """The small Llama that unit tests build by hand (no pinned seed, not saved): two layers,
+    hidden 32, four query heads of 8 over two KV heads; ``overrides`` (the vocabulary, the MLP
+    width, the init) on top."""
+    shape: ConfigKwargs = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    }
+    return tf.LlamaConfig(**(shape | overrides))
+
+
 # Weight seed per architecture, chosen with `python -m tests.engine_tests.models`: the first
 # seed (from 1) whose greedy paths over the equivalence prompts keep every top-2 margin >= 3e-3.
 # Min margins measured (transformers 5.24, CPU fp32): llama 1.7e-2, llama3-rope 3.7e-3,

@@ -8,10 +8,9 @@ import json
 import numpy as np
 
 from quire_engine.cli import main
-from quire_engine.core.config import CacheConfig, SchedulerConfig
-from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import FinishReason, Sequence
 from quire_engine.model.runner import build_step_inputs
+from tests.engine_tests.factories import make_scheduler
 
 
 def test_step_bench_small(capsys: object) -> None:
@@ -30,10 +29,7 @@ def test_step_bench_small(capsys: object) -> None:
 
 
 def test_step_inputs_match_the_scheduler() -> None:
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=14, max_model_len=64),
-        CacheConfig(num_blocks=32, block_size=4),
-    )
+    sched = make_scheduler(32, max_num_seqs=4, max_num_batched_tokens=14, max_model_len=64)
     a = Sequence("a", list(range(10, 16)), max_tokens=8)  # 6 tokens
     b = Sequence("b", list(range(20, 33)), max_tokens=8)  # 13 tokens: chunked
     for s in (a, b):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from quire_engine.bench import roofline
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.scheduler import SchedulerOutput
 from quire_engine.engine.llm import LLM
 from quire_engine.model.runner import CacheShape
+from tests.engine_tests.models import tiny_llama_config
 
 
 def test_step_counts_tokens_rows_context_and_causal_pairs() -> None:
@@ -33,10 +34,7 @@ def test_step_counts_tokens_rows_context_and_causal_pairs() -> None:
 
 
 def _llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_llama_config(vocab_size=96, intermediate_size=48, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from quire_engine import LLM
 from quire_engine.core.outputs import CompletionOutput
 from quire_engine.model.tiny_model import build_tokenizer
+from tests.engine_tests.models import tiny_llama_config
 from tests.engine_tests.ties import assert_ranking_tie_free
 
 PROMPT = [1, 4, 2, 5, 3, 0, 1, 2, 3, 4, 5, 0, 2, 2]  # 14 tokens: fits and crosses blocks of 8
@@ -23,14 +24,9 @@ RANK_MARGIN = 2 * SCORE_TOLERANCE
 
 
 def tiny_vocab_model(path: Path, vocab: int) -> Path:
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=vocab,
-        hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
         max_position_embeddings=64,
         initializer_range=0.5,
         bos_token_id=None,

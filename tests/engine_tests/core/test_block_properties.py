@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from quire_engine.core.block_pool import BlockPool
-from quire_engine.core.config import CacheConfig, SchedulerConfig
 from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import Sequence, SequenceStatus
+from tests.engine_tests.factories import make_scheduler
 
 
 def check_pool(pool: BlockPool, holders: Counter[int]) -> None:
@@ -50,9 +50,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(4, 32),
     )
     def build(self, num_blocks: int, block_size: int, mode: str, prefix: bool, budget: int) -> None:
-        self.sched = Scheduler(
-            SchedulerConfig(6, budget, 24, mode),  # type: ignore[arg-type]
-            CacheConfig(num_blocks, block_size, prefix, num_cpu_blocks=12),
+        self.sched = make_scheduler(
+            num_blocks,
+            block_size,
+            max_num_seqs=6,
+            max_num_batched_tokens=budget,
+            max_model_len=24,
+            mode=mode,
+            num_cpu_blocks=12,
+            prefix=prefix,
         )
 
     @precondition(lambda self: self.sched is not None)

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from quire_engine.core.config import CacheConfig
-from quire_engine.core.kv_cache_manager import KVCacheManager, hash_block
+from quire_engine.core.kv_cache_manager import hash_block
 from quire_engine.core.sequence import Sequence
-
-
-def ids(table: Any) -> list[int] | None:
-    """A block table (int32 array) as a list, for comparisons."""
-    return None if table is None else list(table)
-
-
-def make(num_blocks: int = 8, block_size: int = 4, **kw: object) -> KVCacheManager:
-    return KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size, **kw))  # type: ignore[arg-type]
+from tests.engine_tests.factories import ids, make_kv_cache
 
 
 def seq(seq_id: str, tokens: list[int], salt: str | None = None) -> Sequence:
@@ -25,7 +14,7 @@ def seq(seq_id: str, tokens: list[int], salt: str | None = None) -> Sequence:
 
 
 def test_blocks_taken_on_demand_and_returned_deepest_first() -> None:
-    kv = make()
+    kv = make_kv_cache()
     s = seq("a", list(range(10)))  # 10 tokens -> 3 blocks of 4
     assert ids(kv.allocate_slots(s, 10)) == [0, 1, 2]
     assert kv.stats().used == 3
@@ -46,14 +35,14 @@ def test_blocks_taken_on_demand_and_returned_deepest_first() -> None:
 
 
 def test_allocation_failure_changes_nothing() -> None:
-    kv = make(num_blocks=2)
+    kv = make_kv_cache(num_blocks=2)
     s = seq("a", list(range(12)))
     assert kv.allocate_slots(s, 12) is None
     assert kv.stats().used == 0 and kv.block_ids("a") == []
 
 
 def test_prefix_hit_reuses_longest_chain_and_recomputes_last_token() -> None:
-    kv = make()
+    kv = make_kv_cache()
     a = seq("a", list(range(12)))
     assert ids(kv.allocate_slots(a, 12)) == [0, 1, 2]
     a.num_computed_tokens = 12
@@ -74,7 +63,7 @@ def test_prefix_hit_reuses_longest_chain_and_recomputes_last_token() -> None:
 
 
 def test_freed_cached_blocks_are_revived_after_finish() -> None:
-    kv = make()
+    kv = make_kv_cache()
     a = seq("a", list(range(9)))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
@@ -89,7 +78,7 @@ def test_freed_cached_blocks_are_revived_after_finish() -> None:
 
 
 def test_salt_isolates_tenants() -> None:
-    kv = make()
+    kv = make_kv_cache()
     a = seq("a", list(range(9)), salt="tenant-a")
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
@@ -106,7 +95,7 @@ def test_hash_chains_parent() -> None:
 
 
 def test_prefix_caching_disabled_never_hits() -> None:
-    kv = make(enable_prefix_caching=False)
+    kv = make_kv_cache(enable_prefix_caching=False)
     a = seq("a", list(range(9)))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
@@ -115,7 +104,7 @@ def test_prefix_caching_disabled_never_hits() -> None:
 
 
 def test_fork_shares_blocks_and_copy_on_write_on_partial_tail() -> None:
-    kv = make()
+    kv = make_kv_cache()
     parent = seq("p", list(range(6)))  # blocks [0 full, 1 half]
     assert ids(kv.allocate_slots(parent, 6)) == [0, 1]
     parent.num_computed_tokens = 6
@@ -137,7 +126,7 @@ def test_fork_shares_blocks_and_copy_on_write_on_partial_tail() -> None:
 
 
 def test_fork_on_block_boundary_needs_no_copy() -> None:
-    kv = make()
+    kv = make_kv_cache()
     parent = seq("p", list(range(8)))
     kv.allocate_slots(parent, 8)
     parent.num_computed_tokens = 8
@@ -153,13 +142,13 @@ def test_fork_on_block_boundary_needs_no_copy() -> None:
 
 
 def test_fork_errors() -> None:
-    kv = make()
+    kv = make_kv_cache()
     with pytest.raises(ValueError, match="holds no device blocks"):
         kv.fork(seq("x", [1]), seq("y", [1]))
 
 
 def test_swap_out_and_in_records_moves() -> None:
-    kv = make(num_blocks=4, num_cpu_blocks=3)
+    kv = make_kv_cache(num_blocks=4, num_cpu_blocks=3)
     s = seq("a", list(range(6)))
     kv.allocate_slots(s, 6)
     s.num_computed_tokens = 6
@@ -178,7 +167,7 @@ def test_swap_out_and_in_records_moves() -> None:
 
 
 def test_swap_out_refused_when_cpu_pool_full() -> None:
-    kv = make(num_blocks=4, num_cpu_blocks=1)
+    kv = make_kv_cache(num_blocks=4, num_cpu_blocks=1)
     s = seq("a", list(range(6)))
     kv.allocate_slots(s, 6)
     assert not kv.can_swap_out("a")
@@ -188,7 +177,7 @@ def test_swap_out_refused_when_cpu_pool_full() -> None:
 
 
 def test_free_in_swapped_state_releases_cpu_blocks() -> None:
-    kv = make(num_blocks=4, num_cpu_blocks=4)
+    kv = make_kv_cache(num_blocks=4, num_cpu_blocks=4)
     s = seq("a", list(range(6)))
     kv.allocate_slots(s, 6)
     kv.swap_out("a")

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.core.config import CacheConfig, SchedulerConfig
 from quire_engine.core.scheduler import KV_DEMAND_OUTPUT_SHARE, Scheduler, kv_demand_blocks
 from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 from quire_engine.engine.recorder import StatsRecorder
+from tests.engine_tests.factories import make_scheduler
 
-
-def make(num_blocks: int = 16, *, max_model_len: int = 128, max_num_seqs: int = 8) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(max_num_seqs, 64, max_model_len),
-        CacheConfig(num_blocks, block_size=4),
-    )
+POOL = 16  # blocks of 4 tokens
 
 
 def step(sched: Scheduler) -> None:
@@ -39,11 +34,11 @@ def test_share_is_documented_default() -> None:
 
 
 def test_empty_scheduler_demands_nothing() -> None:
-    assert kv_demand_blocks(make()) == 0
+    assert kv_demand_blocks(make_scheduler(POOL)) == 0
 
 
 def test_waiting_requests_count_prompt_plus_half_their_output() -> None:
-    sched = make()
+    sched = make_scheduler(POOL)
     # A: 6 prompt tokens + 0.5 * 10 = 11 tokens -> 3 blocks. B: 8 + 0.5 * 4 = 10 -> 3 blocks.
     sched.add(Sequence("a", [1] * 6, max_tokens=10))
     sched.add(Sequence("b", [2] * 8, max_tokens=4))
@@ -56,7 +51,7 @@ def test_waiting_requests_count_prompt_plus_half_their_output() -> None:
 
 
 def test_running_requests_count_only_their_growth() -> None:
-    sched = make()
+    sched = make_scheduler(POOL)
     sched.add(Sequence("a", [1] * 6, max_tokens=10))
     sched.add(Sequence("b", [2] * 8, max_tokens=4))
     step(sched)
@@ -76,7 +71,7 @@ def test_running_requests_count_only_their_growth() -> None:
 
 
 def test_max_model_len_caps_the_projection() -> None:
-    sched = make(num_blocks=64, max_model_len=32)
+    sched = make_scheduler(num_blocks=64, max_model_len=32)
     # 6 prompt tokens, max_tokens 1000 but only 26 more fit: 6 + 13 = 19 tokens -> 5 blocks.
     sched.add(Sequence("a", [1] * 6, max_tokens=1000))
     assert kv_demand_blocks(sched) == 5
@@ -87,7 +82,7 @@ def test_max_model_len_caps_the_projection() -> None:
 def test_preempted_request_counts_in_full_again() -> None:
     # 4 blocks of 4 tokens; two requests of 7 prompt tokens, max_tokens 8: each takes 2 blocks
     # after prefill, and the pool is full once both reach 9 tokens (3 blocks each > 4 in all).
-    sched = make(num_blocks=4)
+    sched = make_scheduler(num_blocks=4)
     sched.add(Sequence("a", [1] * 7, max_tokens=8))
     sched.add(Sequence("b", [2] * 7, max_tokens=8))
     while not any(sched.num_preemptions.values()):
@@ -107,7 +102,7 @@ def test_preempted_request_counts_in_full_again() -> None:
 
 
 def test_gauge_exports_demand_over_pool_size() -> None:
-    sched = make()
+    sched = make_scheduler(POOL)
     metrics = ServerMetrics("m")
     facts = EngineFacts(sched.config.max_model_len, sched.cache_config, 0.9, 0.0)
     recorder = StatsRecorder(metrics, sched.stats(), facts)
@@ -128,4 +123,4 @@ def test_gauge_exports_demand_over_pool_size() -> None:
 
 def test_share_out_of_range_is_rejected() -> None:
     with pytest.raises(ValueError, match="output_share"):
-        kv_demand_blocks(make(), output_share=1.5)
+        kv_demand_blocks(make_scheduler(POOL), output_share=1.5)

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
 from quire_engine.core.request_table import Request, RequestTable
 from quire_engine.core.sampling_params import SamplingParams
-from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import Sequence, SequenceStatus
+from tests.engine_tests.factories import make_scheduler
 
 
 def make_table(num_blocks: int = 8) -> RequestTable:
-    scheduler = Scheduler(
-        SchedulerConfig(4, 64, 64, PreemptionMode.RECOMPUTE), CacheConfig(num_blocks, 4, True, 0)
-    )
+    scheduler = make_scheduler(num_blocks, max_num_seqs=4, max_model_len=64)
     return RequestTable(scheduler, tokenizer=None)
 
 

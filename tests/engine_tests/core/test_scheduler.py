@@ -5,26 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.config import PreemptionMode
 from quire_engine.core.scheduler import Scheduler, SchedulerOutput
 from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
-
-
-def make(
-    num_blocks: int = 64,
-    block_size: int = 4,
-    *,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 128,
-    mode: str = "recompute",
-    num_cpu_blocks: int = 0,
-    prefix: bool = True,
-) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, mode),  # type: ignore[arg-type]
-        CacheConfig(num_blocks, block_size, prefix, num_cpu_blocks),
-    )
+from tests.engine_tests.factories import make_scheduler
 
 
 def fake_token(seq: Sequence) -> int:
@@ -49,7 +33,7 @@ def run_all(sched: Scheduler, limit: int = 10_000) -> list[SchedulerOutput]:
 
 
 def test_budget_and_max_num_seqs_respected() -> None:
-    sched = make(max_num_seqs=2, max_num_batched_tokens=10)
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=10)
     for i in range(3):
         sched.add(Sequence(f"s{i}", [i] * 6, max_tokens=3))
     out = sched.schedule()
@@ -72,7 +56,7 @@ def test_budget_and_max_num_seqs_respected() -> None:
 
 
 def test_chunked_prefill_slot_mapping_and_tables() -> None:
-    sched = make(max_num_batched_tokens=5)
+    sched = make_scheduler(max_num_batched_tokens=5)
     sched.add(Sequence("a", list(range(11)), max_tokens=2))
     steps = []
     while sched.has_unfinished():
@@ -87,7 +71,7 @@ def test_chunked_prefill_slot_mapping_and_tables() -> None:
 
 
 def test_prefix_hit_skips_cached_tokens_and_counts_tokens() -> None:
-    sched = make()
+    sched = make_scheduler()
     system = list(range(100, 112))  # 3 full blocks of 4
     sched.add(Sequence("a", [*system, 1, 2], max_tokens=1))
     run_all(sched)
@@ -100,7 +84,7 @@ def test_prefix_hit_skips_cached_tokens_and_counts_tokens() -> None:
 
 
 def test_full_prompt_hit_still_recomputes_last_token() -> None:
-    sched = make()
+    sched = make_scheduler()
     sched.add(Sequence("a", list(range(8)), max_tokens=1))
     run_all(sched)
     sched.add(Sequence("b", list(range(8)), max_tokens=1))
@@ -111,7 +95,7 @@ def test_full_prompt_hit_still_recomputes_last_token() -> None:
 
 
 def outputs_without_pressure(prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
-    sched = make(num_blocks=256, max_num_seqs=16)
+    sched = make_scheduler(num_blocks=256, max_num_seqs=16)
     seqs = [Sequence(f"s{i}", p, max_tokens=max_tokens) for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
@@ -124,7 +108,7 @@ def test_preemption_under_tiny_pool_all_finish_with_same_outputs(mode: str) -> N
     prompts = [[i + 1] * (5 + 3 * i) for i in range(6)]
     expected = outputs_without_pressure(prompts, max_tokens=20)
     # 12 blocks of 4 = 48 slots for 6 sequences that grow to 25..40 tokens.
-    sched = make(num_blocks=12, mode=mode, num_cpu_blocks=64)
+    sched = make_scheduler(num_blocks=12, mode=mode, num_cpu_blocks=64)
     seqs = [Sequence(f"s{i}", p, max_tokens=20) for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
@@ -141,7 +125,7 @@ def test_preemption_under_tiny_pool_all_finish_with_same_outputs(mode: str) -> N
 
 
 def test_preemption_victim_is_newest_and_oldest_progresses() -> None:
-    sched = make(num_blocks=6, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
     a = Sequence("a", [1] * 8, max_tokens=12)  # grows to 20 tokens = 5 blocks
     b = Sequence("b", [2] * 8, max_tokens=12)
     sched.add(a)
@@ -164,7 +148,7 @@ def test_preemption_victim_is_newest_and_oldest_progresses() -> None:
 def test_only_the_first_schedule_is_a_prefix_lookup() -> None:
     # A recompute victim finds its own blocks again when it is rescheduled: counting that as a
     # hit would inflate the hit rate exactly when the server is overloaded (vLLM leaves it out).
-    sched = make(num_blocks=6, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
     a = Sequence("a", [1] * 8, max_tokens=12)
     b = Sequence("b", [2] * 8, max_tokens=12)
     sched.add(a)
@@ -178,7 +162,7 @@ def test_only_the_first_schedule_is_a_prefix_lookup() -> None:
 
 
 def test_swap_falls_back_to_recompute_without_cpu_space() -> None:
-    sched = make(num_blocks=6, mode="swap", num_cpu_blocks=0)
+    sched = make_scheduler(num_blocks=6, mode="swap", num_cpu_blocks=0)
     for name in "ab":
         sched.add(Sequence(name, [3] * 8, max_tokens=12))
     run_all(sched)
@@ -187,7 +171,7 @@ def test_swap_falls_back_to_recompute_without_cpu_space() -> None:
 
 
 def test_abort_in_every_state_frees_everything() -> None:
-    sched = make(num_blocks=6, mode="swap", num_cpu_blocks=16, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=6, mode="swap", num_cpu_blocks=16, max_num_batched_tokens=64)
     a = Sequence("a", [1] * 8, max_tokens=12)
     b = Sequence("b", [2] * 8, max_tokens=12)
     for s in (a, b):
@@ -212,7 +196,7 @@ def test_abort_in_every_state_frees_everything() -> None:
 
 
 def test_abort_waiting_and_mid_step() -> None:
-    sched = make()
+    sched = make_scheduler()
     sched.add(Sequence("w", [1, 2, 3], max_tokens=2))
     sched.add(Sequence("r", [4, 5, 6], max_tokens=2))
     out = sched.schedule()
@@ -224,7 +208,7 @@ def test_abort_waiting_and_mid_step() -> None:
 
 
 def test_oversize_request_rejected_with_numbers() -> None:
-    sched = make(num_blocks=4, max_model_len=64)
+    sched = make_scheduler(num_blocks=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"needs up to 5 KV blocks .* num_blocks=4"):
         sched.add(Sequence("big", [1] * 10, max_tokens=10))
     with pytest.raises(ValueError, match="prompt has 65 tokens, more than max_model_len=64"):
@@ -233,7 +217,7 @@ def test_oversize_request_rejected_with_numbers() -> None:
 
 
 def test_finish_at_max_model_len() -> None:
-    sched = make(max_model_len=10)
+    sched = make_scheduler(max_model_len=10)
     s = Sequence("a", [1] * 8, max_tokens=100)
     sched.add(s)
     run_all(sched)
@@ -241,7 +225,7 @@ def test_finish_at_max_model_len() -> None:
 
 
 def test_advance_takes_tokens_aligned_with_the_batch() -> None:
-    sched = make(max_num_batched_tokens=6, max_model_len=9)
+    sched = make_scheduler(max_num_batched_tokens=6, max_model_len=9)
     a = Sequence("a", [1, 2, 3], max_tokens=100)  # capped by max_model_len: 6 tokens to go
     b = Sequence("b", [4] * 5, max_tokens=2)  # prefilled in two chunks (3 + 2)
     sched.add(a)
@@ -267,7 +251,7 @@ def test_advance_takes_tokens_aligned_with_the_batch() -> None:
 
 
 def test_fork_children_share_prompt_blocks() -> None:
-    sched = make()
+    sched = make_scheduler()
     parent = Sequence("p", list(range(6)), max_tokens=4)
     sched.add(parent)
     out = sched.schedule()
@@ -287,7 +271,7 @@ def test_fork_children_share_prompt_blocks() -> None:
 
 
 def test_fork_of_waiting_parent_waits_too() -> None:
-    sched = make()
+    sched = make_scheduler()
     parent = Sequence("p", [1, 2, 3], max_tokens=2)
     sched.add(parent)
     child = parent.fork("c")
@@ -299,7 +283,7 @@ def test_fork_of_waiting_parent_waits_too() -> None:
 
 
 def test_duplicate_ids_and_bad_fork_rejected() -> None:
-    sched = make()
+    sched = make_scheduler()
     s = Sequence("a", [1], max_tokens=1)
     sched.add(s)
     with pytest.raises(ValueError, match="duplicate sequence id"):
@@ -312,7 +296,7 @@ def test_duplicate_ids_and_bad_fork_rejected() -> None:
 def test_decode_filled_blocks_are_published_when_the_sequence_lets_go() -> None:
     """Prompt blocks are hashed when scheduled; blocks that decode steps fill are hashed when the
     sequence frees them (finish here), so a later prompt with the same text still hits them."""
-    sched = make(block_size=4)
+    sched = make_scheduler(block_size=4)
     a = Sequence("a", [1, 2, 3, 4, 5, 6], max_tokens=4)
     sched.add(a)
     run_step(sched)  # prefill: block 0 (tokens 1-4) is full and published, block 1 half full
@@ -331,7 +315,7 @@ def test_decode_filled_blocks_are_published_when_the_sequence_lets_go() -> None:
 
 
 def test_decode_into_fresh_block_takes_the_queue_head() -> None:
-    sched = make(num_blocks=8, block_size=2)
+    sched = make_scheduler(num_blocks=8, block_size=2)
     a = Sequence("a", [1, 2], max_tokens=4)
     sched.add(a)
     run_step(sched)  # prefill fills block 0

@@ -5,25 +5,15 @@ scheduler releasing blocks as sequences advance."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from quire_engine.core.config import CacheConfig, SchedulerConfig
+from quire_engine.core.config import CacheConfig
 from quire_engine.core.kv_cache_manager import RELEASED, KVCacheManager
-from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import Sequence
+from tests.engine_tests.factories import make_kv_cache, make_scheduler
 
-
-def ids(table: Any) -> list[int] | None:
-    """A block table (int32 array) as a list, for comparisons."""
-    return None if table is None else list(table)
-
-
-def make(num_blocks: int = 8, block_size: int = 4, window: int | None = 6) -> KVCacheManager:
-    return KVCacheManager(
-        CacheConfig(num_blocks=num_blocks, block_size=block_size, sliding_window=window)
-    )
+WINDOW = 6  # tokens: with blocks of 4, a block is dead once 6 newer tokens follow it
 
 
 def grow(kv: KVCacheManager, s: Sequence, n: int) -> list[int]:
@@ -39,7 +29,7 @@ def grow(kv: KVCacheManager, s: Sequence, n: int) -> list[int]:
 
 
 def test_leading_blocks_released_once_out_of_window() -> None:
-    kv = make()  # window 6, blocks of 4
+    kv = make_kv_cache(sliding_window=WINDOW)  # window 6, blocks of 4
     s = Sequence("a", list(range(9)), max_tokens=32)
     # 9 computed: the next query (position 9) sees 4..9; block 0 (0..3) is dead.
     assert grow(kv, s, 9) == [RELEASED.block_id, 1, 2]
@@ -57,7 +47,7 @@ def test_leading_blocks_released_once_out_of_window() -> None:
 
 
 def test_no_window_releases_nothing() -> None:
-    kv = make(window=None)
+    kv = make_kv_cache()
     s = Sequence("a", list(range(30)), max_tokens=4)
     assert grow(kv, s, 30) == list(range(8))
     assert kv.num_released == 0
@@ -65,7 +55,7 @@ def test_no_window_releases_nothing() -> None:
 
 
 def test_released_block_stays_cached_for_a_prefix_hit() -> None:
-    kv = make()
+    kv = make_kv_cache(sliding_window=WINDOW)
     a = Sequence("a", list(range(12)), max_tokens=4)
     grow(kv, a, 12)  # sees 7..12 next: blocks 0 (0..3) released, 1 (4..7) kept
     assert kv.block_ids("a") == [RELEASED.block_id, 1, 2]
@@ -87,7 +77,7 @@ def test_released_block_stays_cached_for_a_prefix_hit() -> None:
 
 
 def test_fork_shares_only_live_blocks() -> None:
-    kv = make()
+    kv = make_kv_cache(sliding_window=WINDOW)
     a = Sequence("a", list(range(10)), max_tokens=8)
     grow(kv, a, 10)
     assert kv.block_ids("a") == [RELEASED.block_id, 1, 2]
@@ -102,7 +92,7 @@ def test_fork_shares_only_live_blocks() -> None:
 
 
 def test_swap_moves_only_live_blocks_and_keeps_positions() -> None:
-    kv = KVCacheManager(CacheConfig(num_blocks=8, block_size=4, num_cpu_blocks=4, sliding_window=6))
+    kv = make_kv_cache(num_cpu_blocks=4, sliding_window=WINDOW)
     s = Sequence("a", list(range(14)), max_tokens=8)
     grow(kv, s, 14)  # sees 9..14 next: blocks 0 and 1 released
     assert kv.block_ids("a") == [RELEASED.block_id, RELEASED.block_id, 2, 3]
@@ -123,10 +113,7 @@ def test_swap_moves_only_live_blocks_and_keeps_positions() -> None:
 
 def test_scheduler_releases_blocks_as_sequences_advance() -> None:
     """Blocks held per sequence stop growing at the window's worth while the context grows."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
-        CacheConfig(num_blocks=64, block_size=4, sliding_window=10),
-    )
+    sched = make_scheduler(max_num_seqs=4, max_model_len=256, sliding_window=10)
     s = Sequence("a", list(range(20)), max_tokens=100)
     sched.add(s)
     held = []
@@ -166,7 +153,7 @@ def test_bench_allocator_window_figure() -> None:
 
 
 def test_prefix_hits_before_the_window_are_not_taken() -> None:
-    kv = make(num_blocks=12)  # window 6, blocks of 4
+    kv = make_kv_cache(12, sliding_window=WINDOW)  # window 6, blocks of 4
     a = Sequence("a", list(range(20)), max_tokens=4)
     kv.allocate_slots(a, 20)
     a.num_computed_tokens = 20  # (not released: a's tables stay whole for this test)
@@ -193,15 +180,14 @@ def test_prefix_hits_before_the_window_are_not_taken() -> None:
     ],
 )
 def test_max_blocks_held(tokens: int, step: int, window: int | None, expected: int) -> None:
-    assert make(window=window).max_blocks_held(tokens, step) == expected
+    assert make_kv_cache(sliding_window=window).max_blocks_held(tokens, step) == expected
 
 
 def test_scheduler_admits_contexts_longer_than_the_pool() -> None:
     """With a window, a request whose context exceeds the whole pool runs: it never holds more
     than the window's blocks plus one step's."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400),
-        CacheConfig(num_blocks=6, block_size=4, sliding_window=10),
+    sched = make_scheduler(
+        6, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400, sliding_window=10
     )
     s = Sequence("a", list(range(30)), max_tokens=300)  # 330 tokens, pool of 24 slots
     sched.add(s)
@@ -212,10 +198,7 @@ def test_scheduler_admits_contexts_longer_than_the_pool() -> None:
             out, {x.seq_id: 1 for x, smp in zip(out.seqs, out.samples, strict=True) if smp}
         )
     assert len(s.token_ids) == 330 and sched.kv.stats().used == 0
-    full = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400),
-        CacheConfig(num_blocks=6, block_size=4),
-    )
+    full = make_scheduler(6, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=400)
     with pytest.raises(ValueError, match="needs up to 83 KV blocks"):
         full.add(Sequence("b", list(range(30)), max_tokens=300))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,17 +33,12 @@ from tests.engine_tests.live_server import (
 from tests.engine_tests.parallel.test_tensor_parallel_faults import _children, kill_mid_stream
 from tests.engine_tests.server.test_server_errors import error_of
 from tests.engine_tests.server.test_server_faults import assert_everyone_answered, in_flight
+from tests.ports import free_port
 from tests.waiting import wait_until
 
 PROMPTS = ["Hello", "The quick brown fox", "a"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SMALL = {"device": "cpu", "num_blocks": 64, "max_model_len": 128}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -59,7 +53,7 @@ def worker_node(tmp_path: Path, port: int) -> Iterator[EngineProcess]:
 @contextlib.contextmanager
 def two_nodes(tmp_path: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
     """Node 0 as a real ``quire-engine serve`` process (ready) and node 1 (its worker node)."""
-    port = _free_port()
+    port = free_port()
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
     with (
         worker_node(tmp_path, port) as node,
@@ -84,7 +78,7 @@ def _rank_of(node: EngineProcess) -> int:
 def test_two_nodes_match_one_rank(tmp_path: Path) -> None:
     with LLM("tiny", **SMALL) as one:
         expected = [r.outputs[0].token_ids for r in one.generate(PROMPTS, GREEDY)]
-    port = _free_port()
+    port = free_port()
     with worker_node(tmp_path, port) as node:
         two = LLM("tiny", **SMALL, tensor_parallel_size=2, nnodes=2, master_port=port)
         with two:
@@ -129,7 +123,7 @@ def sharded(
 ) -> Iterator[tuple[RunningServer, EngineProcess]]:
     """An in-process node 0 (TP=2 over 2 nodes) and its worker node (``param``: node 0's step
     timeout)."""
-    port = _free_port()
+    port = free_port()
     engine = {"tensor_parallel_size": 2, "nnodes": 2, "master_port": port}
     settings = tiny_settings(
         engine=engine,

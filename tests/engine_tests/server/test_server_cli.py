@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from quire_engine import cli
 from quire_engine.bench.workload import sharegpt_like
 from quire_engine.server.cli import JsonFormatter, env_name, parse_bytes, settings_from_args
 from tests.engine_tests.live_server import ENGINE_DIR, EngineProcess
+from tests.ports import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -139,12 +139,6 @@ def test_json_log_lines() -> None:
     record = logging.LogRecord("quire", logging.INFO, __file__, 1, "hello %s", ("x",), None)
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "hello x" and line["level"] == "INFO" and line["logger"] == "quire"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.slow
