@@ -94,7 +94,8 @@ class _RoutingUp:
         self.reported = len(self.runner.errors)
         epps = self.runner.epps()
         # With no EPP serving, the gateway stays and shows the failure mode (503, FailClose).
-        if not epps or (self.gateway is not None and self.gateway.config.epp == epps[0].address):
+        followed = self.gateway.config if self.gateway is not None else None
+        if not epps or (isinstance(followed, GatewayConfig) and followed.epp == epps[0].address):
             return
         if self.gateway is not None:
             self.gateway.stop()

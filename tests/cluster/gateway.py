@@ -350,8 +350,11 @@ class Gateway:
     def start(self) -> Gateway:
         self.port, self.admin_port = self.port or free_port(), free_port()
         path = self.work_dir / f"{self.name}.json"
-        build = service_bootstrap if isinstance(self.config, ServiceConfig) else bootstrap
-        path.write_text(json.dumps(build(self.config, self.port, self.admin_port), indent=2))
+        if isinstance(self.config, ServiceConfig):
+            document = service_bootstrap(self.config, self.port, self.admin_port)
+        else:
+            document = bootstrap(self.config, self.port, self.admin_port)
+        path.write_text(json.dumps(document, indent=2))
         argv = [
             str(self.envoy), "--config-path", str(path), "--log-level", "warn",
             # Several Envoys may run on one machine: no shared-memory hot-restart region to

@@ -12,12 +12,12 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tests import waiting
+from tests.ports import free_port as free_port  # re-exported: tests.cluster, operator tests
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -36,18 +36,6 @@ def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now.
-
-    There is a short window before the component binds it; on a test machine that race is
-    rare, and a lost race shows up as a clear "address already in use" in the component's log.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def tail(path: Path, lines: int = 40) -> str:

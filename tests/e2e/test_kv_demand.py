@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypedDict
 
 import pytest
 
@@ -42,7 +43,17 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 CLIENTS = 7
 TARGET = 0.8
 MAX_TOKENS = 1920
-ENGINE = {"max_num_seqs": 16, "num_blocks": 512, "max_model_len": 2048}
+
+
+class EngineSize(TypedDict):
+    """The engine keywords of ``Scenario.create`` that both runs share."""
+
+    max_num_seqs: int
+    num_blocks: int
+    max_model_len: int
+
+
+ENGINE: EngineSize = {"max_num_seqs": 16, "num_blocks": 512, "max_model_len": 2048}
 
 
 def burst_until_scaled(s: Scenario) -> tuple[float, float, float | None]:

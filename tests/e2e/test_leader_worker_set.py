@@ -159,17 +159,21 @@ def test_an_inference_service_over_two_nodes_serves_and_recovers(
     )
     # Only the leader is behind the Service.
     service = cluster.core.read_namespaced_service(NAME, namespace)
-    assert service.spec.selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    spec, metadata = service.spec, service.metadata
+    assert spec is not None and spec.selector is not None and metadata is not None
+    assert spec.selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     # It stays the operator's: LWS names its per-group headless Services after the leaders.
-    assert service.spec.cluster_ip != "None"
-    assert [o.kind for o in service.metadata.owner_references] == ["InferenceService"]
-    assert cluster.core.read_namespaced_service(f"{NAME}-0", namespace).spec.cluster_ip == "None"
+    assert spec.cluster_ip != "None"
+    assert [o.kind for o in metadata.owner_references or []] == ["InferenceService"]
+    headless = cluster.core.read_namespaced_service(f"{NAME}-0", namespace).spec
+    assert headless is not None and headless.cluster_ip == "None"
 
 
 def _ready(cluster: ClusterHandle, namespace: str) -> bool:
     body = cluster.custom.get_namespaced_custom_object(
         meta.GROUP, meta.VERSION, namespace, meta.PLURAL, NAME
     )
+    assert isinstance(body, dict)
     conditions = {c["type"]: c["status"] for c in body.get("status", {}).get("conditions", [])}
     return conditions.get("Ready") == "True"
 

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -49,11 +50,19 @@ def fleet(
     """``fleet(name, replicas, **engine)`` -> a RoutedFleet whose engines and picker serve."""
     operators.start()  # after `routing`: the InferencePool CRD is served when it starts
     made: list[RoutedFleet] = []
+    routing_stack = routing  # ``routing`` below is the InferenceService's routing settings
 
-    def make(name: str, replicas: int, **engine: object) -> RoutedFleet:
-        created = RoutedFleet(cluster, routing, namespace, name)
+    def make(
+        name: str,
+        replicas: int,
+        *,
+        num_blocks: int,
+        max_num_seqs: int,
+        routing: dict[str, Any] | None = None,
+    ) -> RoutedFleet:
+        created = RoutedFleet(cluster, routing_stack, namespace, name)
         made.append(created)
-        created.create(replicas, **engine)
+        created.create(replicas, num_blocks=num_blocks, max_num_seqs=max_num_seqs, routing=routing)
         return created
 
     try:

@@ -209,6 +209,7 @@ def test_requests_at_zero_are_held_until_a_replica_is_ready_and_excess_gets_503(
     report["first_token_from_zero_s"] = round(first - min(a.sent for a in held), 2)
     s.timeline.mark(f"first token {report['first_token_from_zero_s']} s after the first request")
     (engine,) = s.runner.engines()
+    assert engine.ready_at is not None
     report["engine_ready_from_zero_s"] = round(engine.ready_at - s.timeline.t0 - started, 2)
     # The engine saw each request once, under the id the client gave it.
     assert [a.response_id for a in held] == [f"cmpl-{a.request_id}" for a in held]

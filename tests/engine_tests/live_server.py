@@ -30,6 +30,7 @@ from quire_engine.engine.async_engine import AsyncEngine
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.server.app import ServerSettings, create_app
 from quire_engine.server.drain import Drain
+from tests.ports import free_port
 from tests.waiting import wait_until
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -124,7 +125,12 @@ class EngineHolder:
 def tiny_settings(engine: dict[str, Any] | None = None, **server: Any) -> ServerSettings:
     """The embedded model on CPU with a small pool; ``engine`` overrides ``EngineConfig`` fields,
     the keywords ``ServerSettings`` fields."""
-    config = {"device": "cpu", "num_blocks": 256, "max_model_len": 256, "max_num_seqs": 64}
+    config: dict[str, Any] = {
+        "device": "cpu",
+        "num_blocks": 256,
+        "max_model_len": 256,
+        "max_num_seqs": 64,
+    }
     return ServerSettings(engine=EngineConfig(**(config | (engine or {}))), **server)
 
 
@@ -198,9 +204,7 @@ def engine_process(
 ) -> Iterator[EngineProcess]:
     """Serve the tiny model on CPU in a child process; ``prelude`` is Python run before the CLI
     (to inject a fault into the real process). The child is killed if the test left it running."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     code = f"{prelude}\nimport sys\nfrom quire_engine.cli import main\nsys.exit(main(sys.argv[1:]))"
     argv = [sys.executable, "-c", code, "serve", "--port", str(port), "--device", "cpu", *flags]
     variables = {k: v for k, v in os.environ.items() if not k.startswith("QUIRE_")}

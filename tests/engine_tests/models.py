@@ -13,15 +13,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers as tf
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
 from quire_engine.model.tiny_model import TINY_VOCAB_SIZE, build_tokenizer
 from tests.engine_tests.ties import TIE_MARGIN
 
-COMMON: dict[str, object] = {
+# Keyword arguments of a transformers config class: values of many types (sizes, ids, the
+# rope_scaling dict, layer type lists) that transformers checks when it builds the config.
+ConfigKwargs = dict[str, Any]
+
+COMMON: ConfigKwargs = {
     "vocab_size": TINY_VOCAB_SIZE,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -38,7 +43,7 @@ COMMON: dict[str, object] = {
 WINDOW = 20
 LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
 
-Arch = tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, object]]
+Arch = tuple[type[PretrainedConfig], type[PreTrainedModel], ConfigKwargs]
 ARCHITECTURES: dict[str, Arch] = {
     # GQA 8:2 (ratio 4)
     "llama": (
@@ -176,6 +181,20 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 
 
+def tiny_llama_config(**overrides: Any) -> tf.LlamaConfig:
+    """The small Llama that unit tests build by hand (no pinned seed, not saved): two layers,
+    hidden 32, four query heads of 8 over two KV heads; ``overrides`` (the vocabulary, the MLP
+    width, the init) on top."""
+    shape: ConfigKwargs = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    }
+    return tf.LlamaConfig(**(shape | overrides))
+
+
 # Weight seed per architecture, chosen with `python -m tests.engine_tests.models`: the first
 # seed (from 1) whose greedy paths over the equivalence prompts keep every top-2 margin >= 3e-3.
 # Min margins measured (transformers 5.24, CPU fp32): llama 1.7e-2, llama3-rope 3.7e-3,
@@ -187,7 +206,7 @@ SEEDS: dict[str, int] = {
 }  # fmt: skip
 
 
-def build(arch: str, path: Path, seed: int | None = None, **overrides: object) -> Path:
+def build(arch: str, path: Path, seed: int | None = None, **overrides: Any) -> Path:
     """Save a tiny checkpoint of ``arch`` (weights from ``seed``, default its pinned tie-free one)
     with the embedded byte tokenizer into ``path``."""
     seed = SEEDS[arch] if seed is None else seed
@@ -222,6 +241,7 @@ class GreedyPath:
 
 
 def greedy_reference(model: PreTrainedModel, prompt: list[int], max_tokens: int) -> GreedyPath:
+    assert isinstance(model, GenerationMixin), f"{type(model).__name__} does not generate"
     # ignore_eos means "EOS does not stop", not "EOS is forbidden" (min_new_tokens would mask it).
     model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt], device=model.device)
@@ -249,7 +269,7 @@ def _print_seed_margins(archs: list[str], seeds: range) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from tests.engine_tests.test_llm_equivalence import MAX_TOKENS, prompts
+    from tests.engine_tests.model.test_llm_equivalence import MAX_TOKENS, prompts
 
     with tempfile.TemporaryDirectory() as root:
         for arch in archs:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypedDict
 
 import httpx2
 
@@ -31,6 +32,15 @@ from tests.engine_tests.live_server import RunningServer, Samples, serve, tiny_s
 from tests.engine_tests.ties import assert_tie_free
 
 POOL = {"num_blocks": 8, "max_model_len": 128}
+
+
+class Greedy(TypedDict):
+    """The keywords that make an openai client request greedy and blind to EOS."""
+
+    temperature: float
+    extra_body: dict[str, object]
+
+
 PAIR = [list(range(10, 30)), list(range(40, 60))]  # 20 tokens each
 PAIR_TOKENS = 60
 SHARED = list(range(100, 140))  # 40 tokens; the next prompt shares its first two blocks
@@ -65,7 +75,7 @@ def first_greedy_token(prompt: list[int]) -> int:
 @contextmanager
 def run_workload() -> Iterator[Workload]:
     stop_token = first_greedy_token(STOPPED)
-    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    greedy: Greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
     with serve(tiny_settings(POOL)) as server, server.client() as client:
         pair = client.completions.create(
             model="tiny", prompt=PAIR, max_tokens=PAIR_TOKENS, **greedy
@@ -95,7 +105,7 @@ def run_workload() -> Iterator[Workload]:
         totals = [(u.prompt_tokens, u.completion_tokens) for u in usages if u is not None]
         assert len(totals) == len(usages)
         stopped_tokens = totals[3][1]
-        reasons = [c.finish_reason for r in (pair, shared) for c in r.choices]
+        reasons: list[str | None] = [c.finish_reason for r in (pair, shared) for c in r.choices]
         chat_reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         reasons += [sharing.choices[0].finish_reason, chat_reason, stopped.choices[0].finish_reason]
         assert reasons == ["length"] * 5 + ["stop"], reasons

@@ -1,0 +1,1 @@
+"""Tests of quire_engine.bench: every benchmark in CI size (no timing asserted)."""

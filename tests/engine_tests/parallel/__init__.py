@@ -1,0 +1,1 @@
+"""Tests of quire_engine.parallel: tensor parallelism over processes and nodes."""

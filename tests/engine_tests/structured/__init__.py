@@ -1,0 +1,1 @@
+"""Tests of quire_engine.structured: grammar-constrained outputs."""
