@@ -40,17 +40,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RESULTS/
 
 # 1. Triton kernels vs their torch references on CUDA (fp32 and bf16), write_kv, swap, bench smoke.
 step "kernel tests (pytest -m gpu)" kernel-tests.log \
-    "$PYTHON" -m pytest -m gpu tests/engine_tests/test_kernels.py -q -rs
+    "$PYTHON" -m pytest -m gpu tests/engine_tests/kernels/test_kernels.py -q -rs
 
 # 2. Decode attention bandwidth: batch 64, context 2048, 32/8 heads, head size 128, bf16,
 #    against torch SDPA on a contiguous cache; fraction of the H200's 4.8 TB/s.
 step "bench kernel" bench-kernel.json "${QUIRE[@]}" bench kernel --json --peak-gbps 4800
 
-# 3. HF equivalence on CUDA (tests/engine_tests/test_gpu_equivalence.py): token-exact in float32
+# 3. HF equivalence on CUDA (tests/engine_tests/model/test_gpu_equivalence.py): token-exact in float32
 #    for every architecture; bf16 logits within tolerance on a ~134M-parameter Llama, printing
 #    where greedy outputs first diverge (-s keeps that JSON line in the log).
 gpu_tests_outside_kernels() {  # pytest exits 5 when it collects nothing: not a failure here
-    "$PYTHON" -m pytest -m gpu tests -q -rs -s --ignore=tests/engine_tests/test_kernels.py
+    "$PYTHON" -m pytest -m gpu tests -q -rs -s --ignore=tests/engine_tests/kernels/test_kernels.py
     local rc=$?
     [[ $rc -eq 5 ]] && echo "(no gpu tests outside the kernels yet)" && return 0
     return $rc

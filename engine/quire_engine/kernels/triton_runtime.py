@@ -8,7 +8,7 @@ Tests run the Triton kernels on CPU through Triton's interpreter (``TRITON_INTER
 triton 3.x the variable must be set before triton is imported: ``triton.jit`` picks compiled or
 interpreted when it wraps a function, and triton's own helpers (``tl.max``, ``tl.sum``) are
 wrapped when triton is imported. The kernel tests therefore run in a child process that starts
-with the variable set (see ``tests/engine_tests/test_kernels.py``).
+with the variable set (see ``tests/engine_tests/kernels/test_kernels.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Quire reuses transformers' modeling code (through its attention interface, see `
 rather than re-implementing each architecture: only the attention call changes, so every
 architecture transformers supports for causal LM is a candidate. ``SUPPORTED_ARCHITECTURES`` lists
 those whose output is tested token-exact against transformers' own ``generate``
-(``tests/engine_tests/test_llm_equivalence.py`` checks that it is exactly its tested list).
+(``tests/engine_tests/model/test_llm_equivalence.py`` checks that it is exactly its tested list).
 
 Nothing is downloaded: ``model`` is a local checkpoint directory as the hub ships it (the
 operator's init container fetches ``hf://`` models into a volume; sharded safetensors with their
