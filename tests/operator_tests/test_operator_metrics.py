@@ -15,14 +15,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quire_operator.cli import main
-from quire_operator.meta import ObjectRef
 from quire_operator.status.events import Transition, transitions
 from quire_operator.status.metrics import BindAddress, OperatorMetrics, parse_bind_address
 from tests.cluster.process import free_port
 
 
-def body(name: str, namespace: str = "team-a") -> ObjectRef:
-    return ObjectRef(name=name, namespace=namespace, uid="u-1")
+def body(name: str, namespace: str = "team-a") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": namespace, "uid": "u-1"}}
 
 
 def status(desired: int, zero: str, ready: tuple[str, str]) -> dict[str, Any]:

@@ -113,7 +113,7 @@ class Reconciler:
                 ref = spec.identity.ref
                 for transition in transitions(previous, status):
                     self._events.post(ref, transition)
-                    self.metrics.count(ref, transition)
+                    self.metrics.count(body, transition)
             return problem
 
     def _read_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:

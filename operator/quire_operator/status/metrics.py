@@ -15,11 +15,11 @@ InferenceService stay until then (one per Event reason it had, so a handful per 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from quire_operator.meta import ObjectRef
 from quire_operator.status.events import Transition
 
 # The Event reason of a scale-up from zero replicas (events.transitions).
@@ -64,9 +64,10 @@ class OperatorMetrics:
             registry=self.registry,
         )
 
-    def count(self, ref: ObjectRef, transition: Transition) -> None:
-        """Count one posted transition of the InferenceService ``ref``."""
-        namespace, name = ref.namespace, ref.name
+    def count(self, body: Mapping[str, Any], transition: Transition) -> None:
+        """Count one posted transition of the InferenceService ``body`` (its metadata)."""
+        metadata = body["metadata"]
+        namespace, name = metadata["namespace"], metadata["name"]
         self.events.labels(namespace, name, transition.type, transition.reason).inc()
         if transition.reason == WAKE_UP_REASON:
             self.wakeups.labels(namespace, name).inc()
