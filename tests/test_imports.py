@@ -1,5 +1,6 @@
-"""The import rules between the engine's layers (``[tool.importlinter]`` in pyproject.toml), run
-with import-linter; and proof that each kind of contract fails on a violating import."""
+"""The import rules between the engine's layers and the operator's (``[tool.importlinter]`` in
+pyproject.toml), run with import-linter; and proof that each kind of contract fails on a
+violating import."""
 
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ def test_the_import_contracts_hold() -> None:
         ("cpu/linear.py", "from quire_engine.core import config", "Kernels and the CPU backend"),
         ("core/sequence.py", "from quire_engine.engine import metrics", "Engine layers"),
         ("core/sequence.py", "from quire_engine.core import scheduler", "No import cycles"),
+        # Paths under quire_operator/ inject into the operator's tree.
+        (
+            "quire_operator/builders/deployment.py",
+            "from quire_operator.children import Children",
+            "Operator layers",
+        ),
+        (
+            "quire_operator/spec/view.py",
+            "from quire_operator.status import conditions",
+            "Operator layers",
+        ),
     ],
 )
 def test_a_violating_import_breaks_its_contract(
@@ -57,7 +69,12 @@ def test_a_violating_import_breaks_its_contract(
         shutil.copytree(
             REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
         )
-    target = tmp_path / "engine" / "quire_engine" / module
+    operator = module.startswith("quire_operator/")
+    target = (
+        tmp_path / "operator" / module
+        if operator
+        else tmp_path / "engine" / "quire_engine" / module
+    )
     target.write_text(target.read_text() + f"\n{line}  # noqa\n")
     proc = lint_imports(tmp_path)
     assert proc.returncode != 0, proc.stdout

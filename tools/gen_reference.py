@@ -206,8 +206,8 @@ def render_metrics() -> str:
 def operator_rows() -> list[str]:
     """The operator's metric families, one table row each."""
     sys.path.insert(0, str(ROOT / "operator"))
-    from quire_operator.events import Transition
-    from quire_operator.metrics import OperatorMetrics
+    from quire_operator.status.events import Transition
+    from quire_operator.status.metrics import OperatorMetrics
 
     metrics = OperatorMetrics()
     # One wake-up counted, so that every family has a series whose label names the table lists.

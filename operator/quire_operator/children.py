@@ -1,12 +1,16 @@
-"""API calls on the operator's child objects, by kind: read, server-side apply, delete.
+"""API calls on the operator's child objects, by kind: read, server-side apply, delete; and
+whether an optional kind is served.
 
-Ownership rules live in reconcile.py; this module only knows which client method serves which
-kind. Every call carries ``TIMEOUT`` so a hung request cannot hold an object's lock forever, and
-results come back as API JSON (camelCase dicts), the form the rest of the operator reads.
+Ownership rules live in reconcile/; this module only knows which client method serves which kind
+(kinds.py says which kinds exist and which go through the custom-objects API). Every call carries
+``TIMEOUT`` so a hung request cannot hold an object's lock forever, and results come back as API
+JSON (camelCase dicts), the form the rest of the operator reads. ``retriable`` and
+``api_message`` read the API server's refusals, for every caller of the API.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,13 +19,26 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
-from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL
-from quire_operator.inference_pool import POOL_GROUP, POOL_PLURAL, POOL_VERSION
-from quire_operator.leader_worker_set import LWS_GROUP, LWS_KIND, LWS_PLURAL, LWS_VERSION
+from quire_operator.kinds import OPTIONAL, Kind
 
 APPLY = "application/apply-patch+yaml"  # JSON is YAML, and the client sends dict bodies as JSON
 # (connect, read) seconds for every call.
 TIMEOUT = (10, 60)
+# Failures worth retrying as they are: server errors, conflicts, throttling (no status: timeout,
+# connection refused). Anything else is the API server refusing this spec: reported, not retried.
+RETRIABLE_STATUSES = frozenset({409, 429})
+
+
+def retriable(err: ApiException) -> bool:
+    return err.status is None or err.status >= 500 or err.status in RETRIABLE_STATUSES
+
+
+def api_message(err: ApiException) -> str:
+    """The API server's own sentence from an error response (its Status ``message``)."""
+    try:
+        return str(json.loads(err.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{err.status} {err.reason}"
 
 
 @dataclass(frozen=True)
@@ -31,8 +48,9 @@ class _Calls:
     delete: Callable[..., Any]
 
 
-def _custom_calls(custom: client.CustomObjectsApi, group: str, version: str, plural: str) -> _Calls:
+def _custom_calls(custom: client.CustomObjectsApi, kind: Kind) -> _Calls:
     """The custom-objects calls in the typed clients' argument order (name, namespace, ...)."""
+    group, version, plural = kind.group, kind.version, kind.plural
     return _Calls(
         lambda name, ns, **kw: custom.get_namespaced_custom_object(
             group, version, ns, plural, name, **kw
@@ -47,11 +65,11 @@ def _custom_calls(custom: client.CustomObjectsApi, group: str, version: str, plu
 
 
 class Children:
-    """The kinds an InferenceService owns, behind one small interface. KEDA's ScaledObject, the
-    InferencePool and the LeaderWorkerSet go through the custom-objects API; where their CRD is
-    not installed, reading one answers 404 like a missing object (nothing to delete) and applying
-    one fails with 404 (reported as ApplyFailed). ``served`` tells the two cases apart before an
-    apply."""
+    """The kinds an InferenceService owns (``kinds.OWNED``), behind one small interface. Those
+    with an optional CRD (KEDA's ScaledObject, the InferencePool, the LeaderWorkerSet) go through
+    the custom-objects API; where their CRD is not installed, reading one answers 404 like a
+    missing object (nothing to delete) and applying one fails with 404 (reported as
+    ApplyFailed). ``served`` tells the two cases apart before an apply."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self._api = api
@@ -59,79 +77,80 @@ class Children:
         hpa, pdb = client.AutoscalingV2Api(api), client.PolicyV1Api(api)
         rbac, batch = client.RbacAuthorizationV1Api(api), client.BatchV1Api(api)
         self._custom = custom = client.CustomObjectsApi(api)
-        self._calls = {
-            "Deployment": _Calls(
+        typed = {
+            Kind.DEPLOYMENT: _Calls(
                 apps.read_namespaced_deployment,
                 apps.patch_namespaced_deployment,
                 apps.delete_namespaced_deployment,
             ),
-            "Service": _Calls(
+            Kind.SERVICE: _Calls(
                 core.read_namespaced_service,
                 core.patch_namespaced_service,
                 core.delete_namespaced_service,
             ),
-            "HorizontalPodAutoscaler": _Calls(
+            Kind.HPA: _Calls(
                 hpa.read_namespaced_horizontal_pod_autoscaler,
                 hpa.patch_namespaced_horizontal_pod_autoscaler,
                 hpa.delete_namespaced_horizontal_pod_autoscaler,
             ),
-            "PodDisruptionBudget": _Calls(
+            Kind.PDB: _Calls(
                 pdb.read_namespaced_pod_disruption_budget,
                 pdb.patch_namespaced_pod_disruption_budget,
                 pdb.delete_namespaced_pod_disruption_budget,
             ),
-            "ServiceAccount": _Calls(
+            Kind.SERVICE_ACCOUNT: _Calls(
                 core.read_namespaced_service_account,
                 core.patch_namespaced_service_account,
                 core.delete_namespaced_service_account,
             ),
-            "ConfigMap": _Calls(
+            Kind.CONFIG_MAP: _Calls(
                 core.read_namespaced_config_map,
                 core.patch_namespaced_config_map,
                 core.delete_namespaced_config_map,
             ),
-            "Role": _Calls(
+            Kind.ROLE: _Calls(
                 rbac.read_namespaced_role,
                 rbac.patch_namespaced_role,
                 rbac.delete_namespaced_role,
             ),
-            "RoleBinding": _Calls(
+            Kind.ROLE_BINDING: _Calls(
                 rbac.read_namespaced_role_binding,
                 rbac.patch_namespaced_role_binding,
                 rbac.delete_namespaced_role_binding,
             ),
-            "PersistentVolumeClaim": _Calls(
+            Kind.PVC: _Calls(
                 core.read_namespaced_persistent_volume_claim,
                 core.patch_namespaced_persistent_volume_claim,
                 core.delete_namespaced_persistent_volume_claim,
             ),
-            "Job": _Calls(
+            Kind.JOB: _Calls(
                 batch.read_namespaced_job,
                 batch.patch_namespaced_job,
                 batch.delete_namespaced_job,
             ),
-            "ScaledObject": _custom_calls(custom, KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL),
-            "InferencePool": _custom_calls(custom, POOL_GROUP, POOL_VERSION, POOL_PLURAL),
-            LWS_KIND: _custom_calls(custom, LWS_GROUP, LWS_VERSION, LWS_PLURAL),
         }
-        self._resources = {
-            "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL),
-            LWS_KIND: (LWS_GROUP, LWS_VERSION, LWS_PLURAL),
-        }
+        custom_calls = {kind: _custom_calls(custom, kind) for kind in OPTIONAL}
+        self._calls: dict[Kind, _Calls] = {**typed, **custom_calls}
 
-    def served(self, kind: str) -> bool:
+    @property
+    def kinds(self) -> frozenset[Kind]:
+        """The kinds this client can read, apply and delete (``kinds.OWNED``, a test checks)."""
+        return frozenset(self._calls)
+
+    def served(self, kind: Kind) -> bool:
         """Whether the API server serves ``kind`` (a custom kind: its CRD is installed), asked of
         discovery (/apis/GROUP/VERSION, which every authenticated client may read)."""
-        group, version, plural = self._resources[kind]
         try:
-            found = self._custom.get_api_resources(group, version, _request_timeout=TIMEOUT)
+            found = self._custom.get_api_resources(
+                kind.group, kind.version, _request_timeout=TIMEOUT
+            )
         except ApiException as err:
             if err.status == 404:
                 return False
             raise
-        return any(resource.name == plural for resource in found.resources)
+        return any(resource.name == kind.plural for resource in found.resources)
 
-    def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as API JSON, or None when there is none."""
         try:
             found = self._calls[kind].read(name, namespace, _request_timeout=TIMEOUT)
@@ -153,7 +172,7 @@ class Children:
         metadata = obj["metadata"]
         body = obj if uid is None else {**obj, "metadata": {**metadata, "uid": uid}}
         try:
-            result = self._calls[obj["kind"]].patch(
+            result = self._calls[Kind(obj["kind"])].patch(
                 metadata["name"],
                 metadata["namespace"],
                 body,
@@ -171,7 +190,7 @@ class Children:
         applied: dict[str, Any] = self._api.sanitize_for_serialization(result)
         return applied
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+    def delete(self, kind: Kind, namespace: str, name: str, uid: str) -> None:
         """Delete exactly the object with this uid (a precondition): if it was replaced
         meanwhile by someone else's, the API server refuses (409) and nothing is lost."""
         options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))

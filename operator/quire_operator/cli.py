@@ -27,15 +27,14 @@ import kopf
 from kubernetes import client, config
 
 from quire_operator import meta
-from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION
 from quire_operator.config import DEFAULT_ENGINE_IMAGE, DEFAULT_EPP_IMAGE, OperatorConfig
 from quire_operator.handlers import register
-from quire_operator.inference_pool import POOL_GROUP, POOL_VERSION
-from quire_operator.metrics import OperatorMetrics, parse_bind_address
+from quire_operator.kinds import OPTIONAL, Kind
 from quire_operator.peering import PeeringGate, ensure_peering
-from quire_operator.reconcile import Reconciler
+from quire_operator.reconcile.reconciler import Reconciler
 from quire_operator.requeue import Requeue, RequeueConfig
 from quire_operator.settings import operator_settings
+from quire_operator.status.metrics import OperatorMetrics, parse_bind_address
 
 logger = logging.getLogger("quire_operator")
 
@@ -183,14 +182,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = OperatorMetrics()
     if metrics_address is not None:
         metrics.serve(metrics_address)
-    watch_pools = (POOL_GROUP, POOL_VERSION) in served
-    if not watch_pools:
+    # Kinds with an optional CRD are watched where served at start (status.autoscaler follows
+    # KEDA's ScaledObjects, status.routing the InferencePools); otherwise read on each reconcile.
+    watched = frozenset(kind for kind in OPTIONAL if (kind.group, kind.version) in served)
+    pool = Kind.INFERENCE_POOL
+    if pool not in watched:
         logger.info(
             "%s/%s InferencePools are not served: routed InferenceServices report "
             "InferencePoolCRDMissing until the CRD is installed (then restart the operator to "
             "watch pools; until then they are read on each reconcile)",
-            POOL_GROUP,
-            POOL_VERSION,
+            pool.group,
+            pool.version,
         )
     namespaces = None if args.all_namespaces else list(dict.fromkeys(args.namespaces))
     if not args.standalone:
@@ -216,10 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         active,
         RequeueConfig(resync_s=args.resync_seconds),
     )
-    # KEDA's ScaledObjects are watched where KEDA is installed at start (status.autoscaler
-    # follows their conditions); without it they are read on each reconcile.
-    watch_scaled_objects = (KEDA_GROUP, KEDA_VERSION) in served
-    register(registry, settings, requeue.run, watch_pools, watch_scaled_objects)
+    register(registry, settings, requeue.run, watched)
     logger.info(
         "serving %s; peering %s",
         "all namespaces" if namespaces is None else ", ".join(namespaces),

@@ -7,11 +7,12 @@ Triggers:
   not ours) is retried by the requeue, not by kopf, so every trigger gets the same backoff and
   the Degraded condition clears by itself once the cause is gone.
 - A child (Deployment, Service, HPA, PDB, ScaledObject, InferencePool, the model cache's claim
-  and Job) or a pod (engine, Endpoint Picker, model download) changes or is deleted. Those watch
-  streams carry only objects labelled ``app.kubernetes.io/managed-by=quire-operator`` (a
-  server-side label selector), and the owning InferenceService is named by the
-  ``app.kubernetes.io/instance`` label. InferencePools and KEDA ScaledObjects are watched only
-  when their CRD is served at start (``watch_pools``, ``watch_scaled_objects``); the Endpoint
+  and Job) or a pod (engine, Endpoint Picker, model download) changes or is deleted: every kind
+  of kinds.py whose ``Watch`` is not ``NOT_WATCHED``, each with the change rule it names there.
+  Those watch streams carry only objects labelled ``app.kubernetes.io/managed-by=quire-operator``
+  (a server-side label selector), and the owning InferenceService is named by the
+  ``app.kubernetes.io/instance`` label. Kinds with an optional CRD (InferencePools, KEDA
+  ScaledObjects) are watched only when their CRD is served at start (``served``); the Endpoint
   Picker's ConfigMap, ServiceAccount, Role and RoleBinding are not watched (the operator may
   not list ConfigMaps, and needs no watch on RBAC objects): a change to them is repaired on the
   next reconcile. This is how drift is repaired within seconds and how status follows the
@@ -25,15 +26,14 @@ references. Peering (see cli.py) keeps all but one operator process paused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import kopf
 
 from quire_operator import meta
-from quire_operator.autoscaling import KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL
-from quire_operator.inference_pool import POOL_GROUP, POOL_PLURAL, POOL_VERSION
+from quire_operator.kinds import RESOURCES, Kind, Watch
 
 # Reconcile one InferenceService, retrying on failure (Requeue.run).
 Run = Callable[[str, str], None]
@@ -74,36 +74,26 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
     return str(obj["metadata"].get("resourceVersion"))
 
 
-@dataclass(frozen=True)
-class Child:
-    """A kind of object the operator makes (or, for pods, causes) and watches.
-
-    ``changed_when``: the part of the object whose change calls for a reconcile (its spec's
-    generation, say), so status-only churn (an HPA rewrites its status every sync) costs nothing;
-    None means every event matters (Deployment and pod status feed the InferenceService's).
-    """
-
-    group: str
-    version: str
-    plural: str
-    changed_when: Callable[[Mapping[str, Any]], str] | None
-
-
-CHILDREN = (
-    Child("apps", "v1", "deployments", None),
-    Child("", "v1", "pods", None),
-    # Services have no generation; their resourceVersion only moves when someone edits them.
-    Child("", "v1", "services", _resource_version),
-    Child("autoscaling", "v2", "horizontalpodautoscalers", _hpa_state),
-    Child("policy", "v1", "poddisruptionbudgets", _generation),
-    # The model cache: the claim's phase (Bound) and the download Job's progress feed the status.
-    Child("", "v1", "persistentvolumeclaims", None),
-    Child("batch", "v1", "jobs", _job_state),
+ChangedWhen = Callable[[Mapping[str, Any]], str]
+# Each watch rule of kinds.py: the part of the object whose change calls for a reconcile; None
+# means every event matters (Deployment and pod status feed the InferenceService's).
+CHANGED_WHEN: Mapping[Watch, ChangedWhen | None] = MappingProxyType(
+    {
+        Watch.EVERY_EVENT: None,
+        Watch.RESOURCE_VERSION: _resource_version,
+        Watch.GENERATION: _generation,
+        Watch.HPA_STATE: _hpa_state,
+        Watch.SCALED_OBJECT_STATE: _scaled_object_state,
+        Watch.JOB_STATE: _job_state,
+    }
 )
-# Every change matters: the Gateways write their verdicts on the pool into its status.
-POOLS = Child(POOL_GROUP, POOL_VERSION, POOL_PLURAL, None)
-# Watched only where KEDA's CRD is served at start (the operator runs without KEDA).
-SCALED_OBJECTS = Child(KEDA_GROUP, KEDA_VERSION, SCALED_OBJECT_PLURAL, _scaled_object_state)
+_WATCHED = tuple(kind for kind in Kind if RESOURCES[kind].watch is not Watch.NOT_WATCHED)
+# Watched wherever the operator runs.
+CHILDREN = tuple(kind for kind in _WATCHED if not RESOURCES[kind].optional_crd)
+# Watched only where their CRD is served at start (the operator runs without them).
+OPTIONAL_CHILDREN = tuple(kind for kind in _WATCHED if RESOURCES[kind].optional_crd)
+POOLS = Kind.INFERENCE_POOL
+SCALED_OBJECTS = Kind.SCALED_OBJECT
 
 
 class ChildEvents:
@@ -119,18 +109,19 @@ class ChildEvents:
         self._run = run
         self._seen: dict[str, str] = {}
 
-    def handle(self, child: Child, event: kopf.RawEvent) -> None:
+    def handle(self, child: Kind, event: kopf.RawEvent) -> None:
         obj = event["object"]
         metadata = obj.get("metadata", {})
         owner = (metadata.get("labels") or {}).get(meta.INSTANCE_LABEL)
         namespace = metadata.get("namespace")
         if not owner or not namespace:
             return
-        if child.changed_when is not None and not self._changed(child.changed_when, event):
+        changed_when = CHANGED_WHEN[child.resource.watch]
+        if changed_when is not None and not self._changed(changed_when, event):
             return
         self._run(namespace, owner)
 
-    def _changed(self, changed_when: Callable[[Mapping[str, Any]], str], event: Any) -> bool:
+    def _changed(self, changed_when: ChangedWhen, event: Any) -> bool:
         uid = event["object"]["metadata"]["uid"]
         if event.get("type") == "DELETED":
             self._seen.pop(uid, None)
@@ -144,13 +135,11 @@ def register(
     registry: kopf.OperatorRegistry,
     settings: kopf.OperatorSettings,
     run: Run,
-    watch_pools: bool = False,
-    watch_scaled_objects: bool = False,
+    served: Collection[Kind] = (),
 ) -> None:
     """Register every handler in ``registry`` and narrow the children's watch streams;
-    ``watch_pools``/``watch_scaled_objects``: the API server serves InferencePools/KEDA
-    ScaledObjects (kopf resolves resources once, at start: a watch on a kind that is not served
-    would never deliver)."""
+    ``served``: the kinds with an optional CRD that the API server serves (kopf resolves
+    resources once, at start: a watch on a kind that is not served would never deliver)."""
     inference_services = (meta.GROUP, meta.VERSION, meta.PLURAL)
 
     @kopf.on.resume(*inference_services, id="reconcile", registry=registry)
@@ -163,8 +152,7 @@ def register(
 
     events = ChildEvents(run)
     managed = {meta.MANAGED_BY_LABEL: meta.FIELD_MANAGER}
-    optional = ((POOLS, watch_pools), (SCALED_OBJECTS, watch_scaled_objects))
-    for child in (*CHILDREN, *(child for child, served in optional if served)):
+    for child in (*CHILDREN, *(child for child in OPTIONAL_CHILDREN if child in served)):
         selector = (child.group, child.version, child.plural)
         settings.watching.label_selectors[selector] = meta.MANAGED_BY_SELECTOR
         kopf.on.event(*selector, id=f"child-{child.plural}", labels=managed, registry=registry)(
@@ -172,7 +160,7 @@ def register(
         )
 
 
-def _child_handler(events: ChildEvents, child: Child) -> Callable[..., None]:
+def _child_handler(events: ChildEvents, child: Kind) -> Callable[..., None]:
     def on_child_event(event: kopf.RawEvent, **_: Any) -> None:
         events.handle(child, event)
 

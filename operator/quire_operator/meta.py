@@ -2,10 +2,11 @@
 
 Every child object (Deployment, Service, HPA, PDB, InferencePool and, through the pod template,
 the pods) is named after its InferenceService; the Endpoint Picker's objects are named
-``<name>-epp`` (endpoint_picker.py). All carry the labels below, with the InferenceService's name
-as ``app.kubernetes.io/instance``, and have the InferenceService as their controller owner
-reference, so deleting the InferenceService lets the API server's garbage collector delete them:
-the operator has no deletion handler and sets no finalizer.
+``<name>-epp`` (builders/endpoint_picker.py); kinds.py lists every kind. All carry the labels
+below, with the InferenceService's name as ``app.kubernetes.io/instance``, and have the
+InferenceService as their controller owner reference, so deleting the InferenceService lets the
+API server's garbage collector delete them: the operator has no deletion handler and sets no
+finalizer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from quire_operator.kinds import Kind
 
 GROUP = "quire.dev"
 VERSION = "v1alpha1"
@@ -53,7 +56,7 @@ class ObjectRef:
 class ChildKey(NamedTuple):
     """One child object of an InferenceService: its kind and name (in the same namespace)."""
 
-    kind: str
+    kind: Kind
     name: str
 
 

@@ -18,8 +18,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from quire_operator.children import TIMEOUT
-from quire_operator.reconcile import api_message
+from quire_operator.children import TIMEOUT, api_message
 
 PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"
 

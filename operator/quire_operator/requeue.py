@@ -2,7 +2,7 @@
 
 A reconcile started by a watch event can fail (the API server answers 5xx, 409 or 429, or not at
 all), or can find something only time fixes (an object of the same name that is not ours, see
-reconcile.py). kopf retries its own create/update handlers, but not event handlers, and an event
+reconcile/). kopf retries its own create/update handlers, but not event handlers, and an event
 that was missed (a dropped watch, an operator that was down) is never delivered again. So every
 trigger runs its reconcile through ``Requeue.run``:
 
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from quire_operator.reconcile import Reconciler, api_message, retriable
+from quire_operator.children import api_message, retriable
+from quire_operator.reconcile.reconciler import Reconciler
 
 logger = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ class Workload(StrEnum):
     DOWNLOAD = "download"  # the model cache's download Job: runs to completion
 
 
-# The command of the model cache's download Job (quire_operator/model_cache.py).
+# The command of the model cache's download Job (quire_operator/builders/model_cache.py).
 DOWNLOAD_COMMAND = ["python", "-m", "quire_engine.hub_cache"]
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 

@@ -21,10 +21,10 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from quire_operator.builders.endpoint_picker import routing_children
 from quire_operator.config import OperatorConfig
-from quire_operator.endpoint_picker import routing_children
 from quire_operator.meta import ChildKey
-from quire_operator.spec import InferenceService
+from quire_operator.spec.view import InferenceService
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.operator_tests.helpers import ROOT
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from quire_operator.events import Transition, transitions
 from quire_operator.handlers import CHILDREN, SCALED_OBJECTS, ChildEvents
-from quire_operator.observed import parse_autoscaler, parse_deployment
-from quire_operator.status import Observation, build_status
+from quire_operator.observed.views import parse_autoscaler, parse_deployment
+from quire_operator.status.conditions import Observation, build_status
+from quire_operator.status.events import Transition, transitions
 
 URL = "http://llm.ml.svc.cluster.local:8000"
 SELECTOR = "app.kubernetes.io/instance=llm,app.kubernetes.io/name=quire-engine"

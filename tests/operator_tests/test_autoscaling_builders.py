@@ -8,15 +8,16 @@ from typing import Any
 
 import pytest
 
-from quire_operator.autoscaling import (
+from quire_operator.builders.autoscaling import (
     build_autoscalers,
     build_scaled_object,
     pod_matchers,
     trigger_queries,
 )
+from quire_operator.builders.hpa import build_hpa
 from quire_operator.config import OperatorConfig
-from quire_operator.objects import build_hpa
-from quire_operator.spec import AutoscalingBackend, InferenceService, parse
+from quire_operator.spec.parsing import parse
+from quire_operator.spec.view import AutoscalingBackend, InferenceService
 from tests.operator_tests.helpers import inference_service, load_example
 
 UID = "0b5c8a5e-1111-4222-8333-944455556666"

@@ -12,15 +12,18 @@ from typing import Any
 
 import pytest
 
-from quire_operator.config import OperatorConfig
-from quire_operator.deployment import (
+from quire_operator.builders.deployment import (
     API_KEY_ENV,
     REFUSED_FLAGS,
     build_deployment,
     engine_args,
 )
-from quire_operator.objects import build_hpa, build_pdb, build_service, quantity
-from quire_operator.spec import InferenceService, ModelKind, parse
+from quire_operator.builders.disruption_budget import build_pdb
+from quire_operator.builders.hpa import build_hpa, quantity
+from quire_operator.builders.service import build_service
+from quire_operator.config import OperatorConfig
+from quire_operator.spec.parsing import parse
+from quire_operator.spec.view import InferenceService, ModelKind
 from tests.operator_tests.helpers import inference_service, load_crd, load_example
 
 UID = "0b5c8a5e-1111-4222-8333-944455556666"

@@ -27,15 +27,15 @@ import yaml
 
 from quire_engine.engine.metrics import ServerMetrics
 from quire_operator import meta
-from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
-from quire_operator.deployment import PORT_NAME
-from quire_operator.endpoint_picker import METRICS_PORT, build_epp_deployment
-from quire_operator.objects import (
+from quire_operator.builders.deployment import PORT_NAME
+from quire_operator.builders.endpoint_picker import METRICS_PORT, build_epp_deployment
+from quire_operator.builders.hpa import (
     KV_CACHE_METRIC,
     KV_DEMAND_METRIC,
     PREEMPTION_METRIC,
     QUEUE_METRIC,
 )
+from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
 from quire_operator.settings import operator_settings
 from tests.cluster.build import K8S_VERSION, Binaries
 from tests.cluster.client import ClusterHandle, wait_for

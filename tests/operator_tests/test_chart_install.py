@@ -8,8 +8,9 @@ pod is Running in name only; the operator process runs on this machine.) The exa
 InferenceServices of examples/ must then become Ready, with their Deployment, Service and HPA,
 and nothing in the operator's log may say Forbidden.
 
-The proof that it is not broader: the exact rules the API server stores, and ``kubectl auth
-can-i`` asked as that ServiceAccount (a SelfSubjectAccessReview) for what it must and must not do.
+The proof that it is not broader: the exact rules the API server stores (derived from the
+operator's table of kinds, rbac.py), and ``kubectl auth can-i`` asked as that ServiceAccount (a
+SelfSubjectAccessReview) for what it must and must not do.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from quire_operator.config import GIE_VERSION
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
 from tests.operator_tests.gie import POOL_CRD, pool_crd_removed, pool_crd_served
+from tests.operator_tests.rbac import NAMESPACED_RULES, peering_rule
 
 pytestmark = pytest.mark.cluster
 
@@ -41,49 +43,6 @@ CHART = ROOT / "charts" / "quire"
 EXAMPLES = ROOT / "examples"
 CRD_NAMES = ("inferenceservices.quire.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev")
 ROUTED = "tiny-cpu-routed"  # examples/tiny-cpu-routed.yaml
-
-
-# The rules every mode grants (a Role in namespaced mode, part of the ClusterRole otherwise),
-# exactly as the API server stores them. Each is an API call the operator makes; see
-# charts/quire/templates/_helpers.tpl for why.
-def rule(group: str, resource: str, *verbs: str) -> dict[str, Any]:
-    return {"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}
-
-
-WATCHED = ("get", "list", "watch", "create", "patch", "delete")
-APPLIED = ("get", "create", "patch", "delete")
-READ = ("get", "list", "watch")
-NAMESPACED_RULES = [
-    rule("quire.dev", "inferenceservices", "get", "list", "watch", "patch"),
-    rule("quire.dev", "inferenceservices/status", "patch"),
-    rule("quire.dev", "inferenceservices/finalizers", "update"),
-    rule("apps", "deployments", *WATCHED),
-    rule("", "services", *WATCHED),
-    rule("autoscaling", "horizontalpodautoscalers", *WATCHED),
-    rule("policy", "poddisruptionbudgets", *WATCHED),
-    rule("", "persistentvolumeclaims", *WATCHED),
-    rule("batch", "jobs", "get", "list", "watch", "create", "patch"),
-    rule("keda.sh", "scaledobjects", *WATCHED),
-    rule("inference.networking.k8s.io", "inferencepools", *WATCHED),
-    rule("leaderworkerset.x-k8s.io", "leaderworkersets", *APPLIED),
-    {"apiGroups": [""], "resources": ["serviceaccounts", "configmaps"], "verbs": list(APPLIED)},
-    {
-        "apiGroups": ["rbac.authorization.k8s.io"],
-        "resources": ["roles", "rolebindings"],
-        "verbs": list(APPLIED),
-    },
-    {
-        "apiGroups": ["inference.networking.x-k8s.io"],
-        "resources": ["inferenceobjectives", "inferencemodelrewrites"],
-        "verbs": list(READ),
-    },
-    rule("", "pods", *READ),
-    rule("", "events", "create"),
-]
-
-
-def peering_rule(plural: str) -> dict[str, Any]:
-    return rule("kopf.dev", plural, "get", "list", "watch", "create", "patch")
 
 
 @dataclass

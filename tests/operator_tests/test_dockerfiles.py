@@ -25,10 +25,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from quire_engine.cli import build_parser
+from quire_operator.builders.deployment import build_deployment
+from quire_operator.builders.model_cache import build_job
 from quire_operator.config import OperatorConfig
-from quire_operator.deployment import build_deployment
-from quire_operator.model_cache import build_job
-from quire_operator.spec import parse
+from quire_operator.spec.parsing import parse
 from tests.operator_tests.helpers import inference_service
 
 ROOT = Path(__file__).resolve().parents[2]

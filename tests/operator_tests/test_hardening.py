@@ -18,9 +18,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.builders.service import build_service
 from quire_operator.children import Children
-from quire_operator.objects import build_service
-from quire_operator.spec import parse
+from quire_operator.spec.parsing import parse
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.operator_tests.api import (
     NAME,

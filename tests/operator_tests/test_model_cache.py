@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
+from quire_operator.builders.deployment import build_deployment, container_security, pod_security
+from quire_operator.builders.model_cache import build_claim, build_job, job_name
 from quire_operator.config import OperatorConfig
-from quire_operator.deployment import build_deployment, container_security, pod_security
-from quire_operator.model_cache import build_claim, build_job, job_name
-from quire_operator.observed import parse_deployment, parse_download, parse_job, parse_pod
-from quire_operator.spec import CacheAccessMode, ModelCache, parse
-from quire_operator.status import CacheObservation, Observation, build_status
+from quire_operator.observed.views import parse_deployment, parse_download, parse_job, parse_pod
+from quire_operator.spec.parsing import parse
+from quire_operator.spec.view import CacheAccessMode, ModelCache
+from quire_operator.status.conditions import CacheObservation, Observation, build_status
 from tests.operator_tests.helpers import inference_service, load_crd
 
 CONFIG = OperatorConfig()

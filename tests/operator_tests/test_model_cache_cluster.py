@@ -26,7 +26,7 @@ import openai
 import pytest
 from kubernetes import client
 
-from quire_operator.deployment import cache_claim_name
+from quire_operator.builders.deployment import cache_claim_name
 from tests.cluster.client import ClusterHandle, rest_api, wait_for
 from tests.cluster.pod_runner import PodProcess, PodRunner
 from tests.engine_tests import models

@@ -18,10 +18,12 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.builders.deployment import build_deployment
+from quire_operator.builders.disruption_budget import build_pdb
+from quire_operator.builders.hpa import build_hpa
+from quire_operator.builders.service import build_service
 from quire_operator.config import OperatorConfig
-from quire_operator.deployment import build_deployment
-from quire_operator.objects import build_hpa, build_pdb, build_service
-from quire_operator.spec import parse
+from quire_operator.spec.parsing import parse
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.nodes import GPU_NODE
 from tests.operator_tests.api import (

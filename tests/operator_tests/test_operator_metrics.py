@@ -15,8 +15,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quire_operator.cli import main
-from quire_operator.events import Transition, transitions
-from quire_operator.metrics import BindAddress, OperatorMetrics, parse_bind_address
+from quire_operator.status.events import Transition, transitions
+from quire_operator.status.metrics import BindAddress, OperatorMetrics, parse_bind_address
 from tests.cluster.process import free_port
 
 

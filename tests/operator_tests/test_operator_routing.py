@@ -19,10 +19,10 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
+from quire_operator.builders.endpoint_picker import EPP_APP, routing_children
 from quire_operator.config import OperatorConfig
-from quire_operator.endpoint_picker import EPP_APP, routing_children
 from quire_operator.meta import ChildKey
-from quire_operator.spec import parse
+from quire_operator.spec.parsing import parse
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.operator_tests.api import (
     MERGE,

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
-from quire_operator.autoscaling import build_scaled_object, pod_matchers
+from quire_operator.builders.autoscaling import build_scaled_object, pod_matchers
+from quire_operator.builders.deployment import build_deployment
+from quire_operator.builders.hpa import build_hpa
+from quire_operator.builders.inference_pool import build_inference_pool
+from quire_operator.builders.leader_worker_set import build_leader_worker_set
+from quire_operator.builders.service import build_service
 from quire_operator.config import OperatorConfig
-from quire_operator.deployment import build_deployment
-from quire_operator.inference_pool import build_inference_pool
-from quire_operator.leader_worker_set import build_leader_worker_set
-from quire_operator.objects import build_hpa, build_service
-from quire_operator.spec import Parallelism
+from quire_operator.spec.view import Parallelism
 from tests.operator_tests.test_builders import LABELS, METADATA, SELECTOR, example_args, isvc
 
 CONFIG = OperatorConfig(prometheus_address="http://prometheus:9090")

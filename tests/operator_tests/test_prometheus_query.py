@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from quire_operator.prometheus import instant_value
+from quire_operator.observed.prometheus import instant_value
 
 ANSWERS = {
     "one": {"status": "success", "data": {"resultType": "vector", "result": [

@@ -16,10 +16,10 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from quire_operator.events import Transition, transitions
 from quire_operator.peering import wins
 from quire_operator.requeue import Requeue, RequeueConfig
-from quire_operator.status import Problem
+from quire_operator.status.conditions import Problem
+from quire_operator.status.events import Transition, transitions
 from tests.cluster.client import wait_for
 
 KEY = ("ml", "llm")

@@ -3,7 +3,7 @@
 No cluster: specs are defaulted from the CRD file itself (``helpers.with_defaults``), exactly as
 the API server stores them, and every assertion is on exact values. The GIE facts these objects
 rest on (v1.5.0: flags, ports, plugin types, RBAC, the engine-type label) are in the module
-docstrings of inference_pool.py and endpoint_picker.py.
+docstrings of builders/inference_pool.py and builders/endpoint_picker.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from quire_operator import meta
-from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
-from quire_operator.deployment import build_deployment
-from quire_operator.endpoint_picker import (
+from quire_operator.builders.deployment import build_deployment
+from quire_operator.builders.endpoint_picker import (
     build_config_map,
     build_epp_deployment,
     build_epp_service,
@@ -26,9 +25,11 @@ from quire_operator.endpoint_picker import (
     endpoint_picker_config,
     routing_children,
 )
-from quire_operator.inference_pool import build_inference_pool
+from quire_operator.builders.inference_pool import build_inference_pool
+from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
 from quire_operator.meta import ChildKey
-from quire_operator.spec import FailureMode, InferenceService, RoutingMode, ScorerWeights, parse
+from quire_operator.spec.parsing import parse
+from quire_operator.spec.view import FailureMode, InferenceService, RoutingMode, ScorerWeights
 from tests.operator_tests.helpers import inference_service, load_example
 from tests.operator_tests.test_builders import METADATA, UID
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from quire_operator.autoscaling import build_scaled_object
+from quire_operator.builders.autoscaling import build_scaled_object
+from quire_operator.builders.endpoint_picker import routing_children
 from quire_operator.config import OperatorConfig
-from quire_operator.endpoint_picker import routing_children
 from quire_operator.meta import ChildKey
-from quire_operator.spec import parse
+from quire_operator.spec.parsing import parse
 from tests.cluster.build import KEDA_VERSION
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.operator_tests.api import (

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from quire_operator.autoscaling import build_scaled_object
-from quire_operator.endpoint_picker import build_config_map, build_epp_deployment, epp_args
-from quire_operator.spec import InferenceService, ScaleToZero, parse
+from quire_operator.builders.autoscaling import build_scaled_object
+from quire_operator.builders.endpoint_picker import build_config_map, build_epp_deployment, epp_args
+from quire_operator.spec.parsing import parse
+from quire_operator.spec.view import InferenceService, ScaleToZero
 from tests.operator_tests.helpers import inference_service, load_example
 from tests.operator_tests.test_autoscaling_builders import CONFIG, PROMETHEUS, UID
 from tests.operator_tests.test_routing_builders import DEFAULT_CONFIG

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quire_operator.observed import (
+from quire_operator.observed.views import (
     Condition,
     DeploymentView,
     PodView,
@@ -17,7 +17,7 @@ from quire_operator.observed import (
     parse_deployment,
     parse_pod,
 )
-from quire_operator.status import Observation, Problem, build_status
+from quire_operator.status.conditions import Observation, Problem, build_status
 
 URL = "http://llm.ml.svc.cluster.local:8000"
 SELECTOR = "app.kubernetes.io/instance=llm,app.kubernetes.io/name=quire-engine"

@@ -78,7 +78,8 @@ app.kubernetes.io/name: quire-engine
 app.kubernetes.io/managed-by: quire-operator
 {{- end -}}
 
-{{/* The labels the operator puts on every Endpoint Picker pod (quire_operator.endpoint_picker). */}}
+{{/* The labels the operator puts on every Endpoint Picker pod
+(quire_operator.builders.endpoint_picker). */}}
 {{- define "quire.endpointPicker.selectorLabels" -}}
 app.kubernetes.io/name: quire-endpoint-picker
 app.kubernetes.io/managed-by: quire-operator
@@ -91,9 +92,10 @@ http
 
 {{/*
 quire.rbac.rules: every API call quire-operator makes on namespaced objects, and nothing more
-(a Role in namespaced mode, part of the ClusterRole otherwise). Children are written by
-server-side apply: a PATCH, which the API server also authorizes as create when the object does
-not exist yet (so patch and create, never update).
+(a Role in namespaced mode, part of the ClusterRole otherwise). The children's rules follow the
+operator's table of kinds (quire_operator/kinds.py), in its order; tests check the two agree.
+Children are written by server-side apply: a PATCH, which the API server also authorizes as
+create when the object does not exist yet (so patch and create, never update).
 Deletion of children is left to the garbage collector (owner references); the operator deletes
 only what the spec no longer asks for: an HPA, ScaledObject or PDB, and the routing objects
 (InferencePool, the Endpoint Picker's Deployment, Service, ServiceAccount, Role, RoleBinding,

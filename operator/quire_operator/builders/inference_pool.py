@@ -7,7 +7,7 @@ backendRef is this pool to the engine pod the pool's Endpoint Picker chooses by 
 
 Ownership (server-side apply, field manager ``quire-operator``): the operator owns the pool's
 ``spec`` exactly as built here; ``status`` belongs to the Gateways (each parent writes its own
-entry of ``status.parents``), which the operator only reads (observed.py). The pool is named
+entry of ``status.parents``), which the operator only reads (observed/views.py). The pool is named
 after the InferenceService, like its Service, so an HTTPRoute names either one the same way.
 """
 
@@ -16,15 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from quire_operator import meta
-from quire_operator.deployment import ENGINE_PORT
-from quire_operator.leader_worker_set import pod_selector
-from quire_operator.spec import InferenceService
+from quire_operator.builders.deployment import ENGINE_PORT
+from quire_operator.builders.leader_worker_set import pod_selector
+from quire_operator.kinds import Kind
+from quire_operator.spec.view import InferenceService
 
-POOL_GROUP = "inference.networking.k8s.io"
-POOL_VERSION = "v1"
-POOL_API_VERSION = f"{POOL_GROUP}/{POOL_VERSION}"
-POOL_KIND = "InferencePool"
-POOL_PLURAL = "inferencepools"
 # The Endpoint Picker's ext_proc gRPC port, on its container and its Service (GIE's default).
 EPP_GRPC_PORT = 9002
 
@@ -43,8 +39,8 @@ def build_inference_pool(isvc: InferenceService) -> dict[str, Any] | None:
         return None
     name = isvc.ref.name
     return {
-        "apiVersion": POOL_API_VERSION,
-        "kind": POOL_KIND,
+        "apiVersion": Kind.INFERENCE_POOL.api_version,
+        "kind": Kind.INFERENCE_POOL.value,
         "metadata": meta.object_meta(isvc.ref),
         "spec": {
             "selector": {"matchLabels": pod_selector(isvc)},  # multi-node: leaders only

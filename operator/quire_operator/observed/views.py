@@ -3,9 +3,10 @@ parents (Gateways) reporting on an InferencePool, the model cache's download Job
 termination messages.
 
 The API server's JSON (``sanitize_for_serialization`` of the client's models) is walked here and
-nowhere else, the way ``spec.py`` is the only reader of the custom object. A missing field takes
-the value the API server means by its absence (``spec.replicas`` 1, counters 0), so ``status.py``
-works on plain typed values and its tests build views from small literals.
+nowhere else, the way ``spec/parsing.py`` is the only reader of the custom object. A missing
+field takes the value the API server means by its absence (``spec.replicas`` 1, counters 0), so
+``status/conditions.py`` works on plain typed values and its tests build views from small
+literals.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Pure builders: InferenceService -> Service, HorizontalPodAutoscaler, PodDisruptionBudget.
+"""Pure builder: InferenceService -> its HorizontalPodAutoscaler (backend ``hpa``).
 
-Ownership (server-side apply, field manager ``quire-operator``): the operator owns every field in
-these dicts. The HPA and PDB exist only while the spec calls for them (``None`` otherwise); the
-reconciler then deletes the one it owns, since an apply cannot express "absent".
+Ownership (server-side apply, field manager ``quire-operator``): the operator owns every field of
+the HPA and the HPA controller owns the scale target's ``spec.replicas``. The HPA exists only
+while autoscaling is on with backend ``hpa`` (``None`` otherwise); the reconciler then deletes
+the one it owns, since an apply cannot express "absent".
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from quire_operator import meta
-from quire_operator.deployment import PORT_NAME
-from quire_operator.leader_worker_set import pod_selector, scale_target
-from quire_operator.spec import InferenceService
+from quire_operator.builders.leader_worker_set import scale_target
+from quire_operator.spec.view import InferenceService
 
 # Pods metrics the HPA reads through the custom metrics API. The first three are engine gauges as
 # exported; the fourth is the name the chart's prometheus-adapter rule gives to
@@ -32,25 +32,6 @@ def quantity(value: float) -> str:
     if micro % 1_000 == 0:
         return f"{micro // 1_000}m"
     return f"{micro}u"
-
-
-def build_service(isvc: InferenceService) -> dict[str, Any]:
-    port = {
-        "name": PORT_NAME,
-        "port": isvc.service.port,
-        "targetPort": PORT_NAME,
-        "protocol": "TCP",
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta.object_meta(isvc.ref),
-        "spec": {
-            "type": isvc.service.type,
-            "selector": pod_selector(isvc),  # a multi-node replica: its leader only
-            "ports": [port],
-        },
-    }
 
 
 def _pods_metric(name: str, average: float) -> dict[str, Any]:
@@ -83,23 +64,4 @@ def build_hpa(isvc: InferenceService) -> dict[str, Any] | None:
         "kind": "HorizontalPodAutoscaler",
         "metadata": meta.object_meta(isvc.ref),
         "spec": spec,
-    }
-
-
-def build_pdb(isvc: InferenceService) -> dict[str, Any] | None:
-    """A budget of one voluntary disruption at a time; None when there can be only one replica
-    (a budget over a single pod either blocks node drains or protects nothing)."""
-    if isvc.max_replicas <= 1:
-        return None
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": meta.object_meta(isvc.ref),
-        "spec": {
-            "selector": {"matchLabels": meta.selector_labels(isvc.ref.name)},
-            "maxUnavailable": 1,
-            # A replica that is not ready (still loading, crash-looping) serves nothing, so
-            # evicting it must never be what blocks a node drain.
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
     }

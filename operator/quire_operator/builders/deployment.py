@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 from quire_operator import meta
 from quire_operator.config import OperatorConfig
-from quire_operator.spec import InferenceService, ModelKind, ModelSource, SecretKeyRef
+from quire_operator.spec.view import InferenceService, ModelKind, ModelSource, SecretKeyRef
 
 ENGINE_PORT = 8000
 PORT_NAME = "http"

@@ -26,8 +26,7 @@ import json
 from typing import Any
 
 from quire_operator import meta
-from quire_operator.config import OperatorConfig
-from quire_operator.deployment import (
+from quire_operator.builders.deployment import (
     MODEL_DIR,
     cache_claim_name,
     container_security,
@@ -36,7 +35,8 @@ from quire_operator.deployment import (
     model_path,
     pod_security,
 )
-from quire_operator.spec import InferenceService, ModelCache
+from quire_operator.config import OperatorConfig
+from quire_operator.spec.view import InferenceService, ModelCache
 
 CACHE_APP = "quire-model-cache"
 CACHE_COMPONENT = "model-cache"

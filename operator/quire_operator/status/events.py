@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
 from quire_operator.children import TIMEOUT
+from quire_operator.meta import ObjectRef
 
 logger = logging.getLogger(__name__)
 
@@ -99,20 +100,19 @@ class EventRecorder:
     def __init__(self, api: client.ApiClient) -> None:
         self._core = client.CoreV1Api(api)
 
-    def post(self, body: Mapping[str, Any], transition: Transition) -> None:
-        metadata = body["metadata"]
+    def post(self, ref: ObjectRef, transition: Transition) -> None:
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event: Any = {
             "metadata": {
-                "generateName": f"{metadata['name']}.",
-                "namespace": metadata["namespace"],
+                "generateName": f"{ref.name}.",
+                "namespace": ref.namespace,
             },
             "involvedObject": {
                 "apiVersion": meta.API_VERSION,
                 "kind": meta.KIND,
-                "name": metadata["name"],
-                "namespace": metadata["namespace"],
-                "uid": metadata["uid"],
+                "name": ref.name,
+                "namespace": ref.namespace,
+                "uid": ref.uid,
             },
             "type": transition.type,
             "reason": transition.reason,
@@ -123,9 +123,7 @@ class EventRecorder:
             "count": 1,
         }
         try:
-            self._core.create_namespaced_event(
-                metadata["namespace"], event, _request_timeout=TIMEOUT
-            )
+            self._core.create_namespaced_event(ref.namespace, event, _request_timeout=TIMEOUT)
         except (ApiException, OSError, urllib3.exceptions.HTTPError) as err:
             # The status already says it; a lost Event must not fail or repeat a reconcile.
             logger.warning("cannot post Event %s: %s", transition.reason, err)

@@ -22,19 +22,16 @@ import copy
 from typing import Any
 
 from quire_operator import meta
-from quire_operator.config import OperatorConfig
-from quire_operator.deployment import (
+from quire_operator.builders.deployment import (
     PROMETHEUS_ANNOTATIONS,
     RENDEZVOUS_PORT,
     _pod_spec,
     engine_args,
 )
-from quire_operator.spec import InferenceService
+from quire_operator.config import OperatorConfig
+from quire_operator.kinds import Kind
+from quire_operator.spec.view import InferenceService
 
-LWS_GROUP = "leaderworkerset.x-k8s.io"
-LWS_VERSION = "v1"
-LWS_PLURAL = "leaderworkersets"
-LWS_KIND = "LeaderWorkerSet"
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 LEADER_INDEX = "0"
 # Written by the LeaderWorkerSet pod webhook into every container of a group's pods.
@@ -56,9 +53,9 @@ def pod_selector(isvc: InferenceService) -> dict[str, str]:
 def scale_target(isvc: InferenceService) -> dict[str, str]:
     """The ``scaleTargetRef`` of the HPA or ScaledObject: the Deployment or the LeaderWorkerSet."""
     if isvc.parallelism.multi_node:
-        api_version, kind = f"{LWS_GROUP}/{LWS_VERSION}", LWS_KIND
+        api_version, kind = Kind.LEADER_WORKER_SET.api_version, Kind.LEADER_WORKER_SET.value
     else:
-        api_version, kind = "apps/v1", "Deployment"
+        api_version, kind = Kind.DEPLOYMENT.api_version, Kind.DEPLOYMENT.value
     return {"apiVersion": api_version, "kind": kind, "name": isvc.ref.name}
 
 
@@ -118,8 +115,8 @@ def build_leader_worker_set(isvc: InferenceService, config: OperatorConfig) -> d
     if not isvc.autoscaling.enabled:
         spec["replicas"] = isvc.replicas
     return {
-        "apiVersion": f"{LWS_GROUP}/{LWS_VERSION}",
-        "kind": LWS_KIND,
+        "apiVersion": Kind.LEADER_WORKER_SET.api_version,
+        "kind": Kind.LEADER_WORKER_SET.value,
         "metadata": meta.object_meta(isvc.ref),
         "spec": spec,
     }

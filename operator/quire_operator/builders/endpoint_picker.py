@@ -22,17 +22,11 @@ from typing import Any
 import yaml
 
 from quire_operator import meta
+from quire_operator.builders.deployment import container_security, termination_grace_period_s
+from quire_operator.builders.inference_pool import EPP_GRPC_PORT, build_inference_pool, epp_name
 from quire_operator.config import OperatorConfig
-from quire_operator.deployment import container_security, termination_grace_period_s
-from quire_operator.inference_pool import (
-    EPP_GRPC_PORT,
-    POOL_GROUP,
-    POOL_KIND,
-    POOL_PLURAL,
-    build_inference_pool,
-    epp_name,
-)
-from quire_operator.spec import InferenceService, ScaleToZero, ScorerWeights
+from quire_operator.kinds import Kind
+from quire_operator.spec.view import InferenceService, ScaleToZero, ScorerWeights
 
 EPP_APP = "quire-endpoint-picker"
 EPP_COMPONENT = "endpoint-picker"
@@ -47,8 +41,9 @@ CONFIG_HASH_ANNOTATION = "quire.dev/endpoint-picker-config"
 # The gRPC health service name the picker answers while it has synced its pool (one replica,
 # no leader election), as GIE's chart probes it.
 HEALTH_SERVICE = "inference-extension"
-RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
+RBAC_API_VERSION = Kind.ROLE.api_version
 OBJECTIVES_GROUP = "inference.networking.x-k8s.io"
+_POOL = Kind.INFERENCE_POOL
 
 # EndpointPickerConfig plugin types (GIE v1.5.0), with the spec's weight of each scorer.
 QUEUE_SCORER = "queue-scorer"
@@ -64,7 +59,7 @@ FLOW_CONTROL_GATE = "flowControl"
 # the optional InferenceObjective/InferenceModelRewrite objects (watched only where installed).
 RULES = (
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [POOL_GROUP], "resources": [POOL_PLURAL], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [_POOL.group], "resources": [_POOL.plural], "verbs": ["get", "list", "watch"]},
     {
         "apiGroups": [OBJECTIVES_GROUP],
         "resources": ["inferenceobjectives", "inferencemodelrewrites"],
@@ -190,7 +185,7 @@ def epp_args(isvc: InferenceService) -> list[str]:
     return [
         "--pool-name", ref.name,
         "--pool-namespace", ref.namespace,
-        "--pool-group", POOL_GROUP,
+        "--pool-group", _POOL.group,
         "--config-file", f"{CONFIG_DIR}/{CONFIG_FILE}",
         "--grpc-port", str(EPP_GRPC_PORT),
         "--grpc-health-port", str(HEALTH_PORT),
@@ -318,16 +313,16 @@ def routing_children(
     pool last, once what it points at exists); each None when routing is off."""
     name, picker = isvc.ref.name, epp_name(isvc.ref.name)
     builders = [
-        ("ServiceAccount", picker, lambda: build_service_account(isvc)),
-        ("Role", picker, lambda: build_role(isvc)),
-        ("RoleBinding", picker, lambda: build_role_binding(isvc)),
-        ("ConfigMap", picker, lambda: build_config_map(isvc)),
-        ("Deployment", picker, lambda: build_epp_deployment(isvc, config)),
-        ("Service", picker, lambda: build_epp_service(isvc)),
+        (Kind.SERVICE_ACCOUNT, picker, lambda: build_service_account(isvc)),
+        (Kind.ROLE, picker, lambda: build_role(isvc)),
+        (Kind.ROLE_BINDING, picker, lambda: build_role_binding(isvc)),
+        (Kind.CONFIG_MAP, picker, lambda: build_config_map(isvc)),
+        (Kind.DEPLOYMENT, picker, lambda: build_epp_deployment(isvc, config)),
+        (Kind.SERVICE, picker, lambda: build_epp_service(isvc)),
     ]
     children: list[tuple[meta.ChildKey, dict[str, Any] | None]] = [
         (meta.ChildKey(kind, child), build() if isvc.routing.enabled else None)
         for kind, child, build in builders
     ]
-    children.append((meta.ChildKey(POOL_KIND, name), build_inference_pool(isvc)))
+    children.append((meta.ChildKey(Kind.INFERENCE_POOL, name), build_inference_pool(isvc)))
     return children

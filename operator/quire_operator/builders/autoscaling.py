@@ -3,7 +3,7 @@ ScaledObject, never both.
 
 Ownership (server-side apply, field manager ``quire-operator``):
 - backend ``hpa``: the operator owns the HPA named after the InferenceService
-  (``objects.build_hpa``) and the HPA controller owns the Deployment's ``spec.replicas``.
+  (``builders.hpa``) and the HPA controller owns the Deployment's ``spec.replicas``.
 - backend ``keda``: the operator owns the ScaledObject named after the InferenceService; KEDA
   makes and owns an HPA named ``keda-hpa-<name>`` for it, and that HPA owns ``spec.replicas``.
   The operator never writes an HPA for a Deployment KEDA scales (two HPAs on one target make the
@@ -22,16 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from quire_operator import meta
+from quire_operator.builders.hpa import build_hpa
+from quire_operator.builders.leader_worker_set import scale_target
 from quire_operator.config import OperatorConfig
-from quire_operator.leader_worker_set import scale_target
-from quire_operator.objects import build_hpa
-from quire_operator.spec import AutoscalingBackend, InferenceService
-
-KEDA_GROUP = "keda.sh"
-KEDA_VERSION = "v1alpha1"
-SCALED_OBJECT_PLURAL = "scaledobjects"
-SCALED_OBJECT_KIND = "ScaledObject"
-HPA_KIND = "HorizontalPodAutoscaler"
+from quire_operator.kinds import Kind
+from quire_operator.spec.view import AutoscalingBackend, InferenceService
 
 # Held requests per replica the held-requests trigger aims at when targetQueueDepth is unset:
 # the Endpoint Picker's utilization detector's default queueDepthThreshold (GIE v1.5.0).
@@ -169,8 +164,8 @@ def build_scaled_object(isvc: InferenceService, config: OperatorConfig) -> dict[
             "replicas": a.keda.fallback_replicas,
         }
     return {
-        "apiVersion": f"{KEDA_GROUP}/{KEDA_VERSION}",
-        "kind": SCALED_OBJECT_KIND,
+        "apiVersion": Kind.SCALED_OBJECT.api_version,
+        "kind": Kind.SCALED_OBJECT.value,
         "metadata": meta.object_meta(isvc.ref),
         "spec": spec,
     }
@@ -178,7 +173,7 @@ def build_scaled_object(isvc: InferenceService, config: OperatorConfig) -> dict[
 
 def build_autoscalers(
     isvc: InferenceService, config: OperatorConfig
-) -> list[tuple[str, dict[str, Any] | None]]:
+) -> list[tuple[Kind, dict[str, Any] | None]]:
     """(kind, object or None) for both backends; at most one is not None."""
     hpa = build_hpa(isvc) if isvc.autoscaling.backend is AutoscalingBackend.HPA else None
-    return [(HPA_KIND, hpa), (SCALED_OBJECT_KIND, build_scaled_object(isvc, config))]
+    return [(Kind.HPA, hpa), (Kind.SCALED_OBJECT, build_scaled_object(isvc, config))]

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from quire_operator.observed import (
+from quire_operator.observed.views import (
     AutoscalerView,
     DeploymentView,
     DownloadOutcome,

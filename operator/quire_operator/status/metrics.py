@@ -15,11 +15,12 @@ InferenceService stay until then (one per Event reason it had, so a handful per 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from quire_operator.events import Transition
+from quire_operator.status.events import Transition
 
 # The Event reason of a scale-up from zero replicas (events.transitions).
 WAKE_UP_REASON = "ScaledFromZero"
@@ -63,8 +64,8 @@ class OperatorMetrics:
             registry=self.registry,
         )
 
-    def count(self, body: dict[str, Any], transition: Transition) -> None:
-        """Count one posted transition of the InferenceService ``body``."""
+    def count(self, body: Mapping[str, Any], transition: Transition) -> None:
+        """Count one posted transition of the InferenceService ``body`` (its metadata)."""
         metadata = body["metadata"]
         namespace, name = metadata["namespace"], metadata["name"]
         self.events.labels(namespace, name, transition.type, transition.reason).inc()
