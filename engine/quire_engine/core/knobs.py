@@ -85,7 +85,6 @@ class Knob:
     max: float | None = None
     power_of_two: bool = False
     choices: tuple[str, ...] | None = None
-    optional: bool = False  # None is allowed (implied by a default of None)
     flag: bool = True
     flag_default: Any = _Same.SAME
     parse: Callable[[str], Any] | None = None
@@ -113,6 +112,7 @@ class Entry(NamedTuple):
     field: str  # its attribute in ``owner``
     kind: Kind
     enum: type[enum.Enum] | None
+    optional: bool  # None is allowed: the annotation says ``| None``
     knob: Knob
 
     @property
@@ -128,10 +128,6 @@ class Entry(NamedTuple):
         if self.enum is not None:
             return tuple(str(m.value) for m in self.enum)
         return self.knob.choices
-
-    @property
-    def optional(self) -> bool:
-        return self.knob.optional or self.knob.default is None
 
     @property
     def flag_default(self) -> Any:
@@ -178,24 +174,26 @@ def entries(cls: type[Any]) -> tuple[Entry, ...]:
         for f in dataclasses.fields(cls):
             spec = f.metadata.get(_KNOB)
             if spec is not None:
-                kind, enum_type = _kind(hints[f.name])
-                out.append(
-                    Entry(spec.name or f.name, (f.name,), cls, f.name, kind, enum_type, spec)
-                )
+                kind, enum_type, optional = _kind(hints[f.name])
+                name = spec.name or f.name
+                out.append(Entry(name, (f.name,), cls, f.name, kind, enum_type, optional, spec))
         found = _ENTRIES[cls] = tuple(out)
     return found
 
 
-def _kind(annotation: Any) -> tuple[Kind, type[enum.Enum] | None]:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+def _kind(annotation: Any) -> tuple[Kind, type[enum.Enum] | None, bool]:
+    """(kind, enum type, None allowed) of ``T`` or ``T | None``."""
+    optional = False
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        (annotation,) = args
+        args = typing.get_args(annotation)
+        optional = type(None) in args
+        (annotation,) = [a for a in args if a is not type(None)]
     if typing.get_origin(annotation) is tuple:
-        return Kind.NAMES, None
+        return Kind.NAMES, None, optional
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return Kind.ENUM, annotation
+        return Kind.ENUM, annotation, optional
     by_type = {bool: Kind.BOOL, int: Kind.INT, float: Kind.FLOAT, str: Kind.STR}
-    return by_type[annotation], None
+    return by_type[annotation], None, optional
 
 
 def sections(cls: type[Any]) -> Iterator[tuple[str, type[Any]]]:

@@ -113,7 +113,7 @@ class ServerSettings:
     )
     api_key: str | None = knob(None, "require 'Authorization: Bearer <key>' on /v1")
     max_waiting: int | None = knob(
-        DEFAULT_MAX_WAITING, "answer 503 when this many requests already wait", min=1, optional=True
+        DEFAULT_MAX_WAITING, "answer 503 when this many requests already wait", min=1
     )
     max_body_bytes: int = knob(
         DEFAULT_MAX_BODY_BYTES,
@@ -126,7 +126,6 @@ class ServerSettings:
         "seconds without engine progress, while work is pending, after which /health turns 503 "
         "and the server exits 1 (0: never)",
         above=0,
-        optional=True,
         unit="seconds",
     )
     shutdown_timeout: float = knob(
