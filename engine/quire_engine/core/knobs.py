@@ -319,18 +319,6 @@ def _build(cls: type[_C], flat: Mapping[str, Any]) -> _C:
     return cls(**kwargs)
 
 
-def flatten(config: Any) -> dict[str, Any]:
-    """The settable knobs' values of a tree by public name (``build``'s inverse)."""
-    out: dict[str, Any] = {}
-    for entry in walk(type(config)):
-        if entry.knob.flag:
-            value = config
-            for part in entry.path:
-                value = getattr(value, part)
-            out[entry.name] = value
-    return out
-
-
 # ---- the command line ---------------------------------------------------------------------
 
 
