@@ -68,9 +68,8 @@ def test_generated_references_are_current() -> None:
         check=False,
     )
     assert proc.returncode == 0, (
-        "docs/metrics.md or docs/operator.md is stale: run `python tools/gen_reference.py`\n"
-        + proc.stdout[-6000:]
-        + proc.stderr[-2000:]
+        "a generated reference (docs/*.md, the CRD's engine fields) is stale: run "
+        "`python tools/gen_reference.py`\n" + proc.stdout[-6000:] + proc.stderr[-2000:]
     )
 
 

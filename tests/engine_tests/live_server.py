@@ -123,15 +123,10 @@ class EngineHolder:
 
 
 def tiny_settings(engine: dict[str, Any] | None = None, **server: Any) -> ServerSettings:
-    """The embedded model on CPU with a small pool; ``engine`` overrides ``EngineConfig`` fields,
-    the keywords ``ServerSettings`` fields."""
-    config: dict[str, Any] = {
-        "device": "cpu",
-        "num_blocks": 256,
-        "max_model_len": 256,
-        "max_num_seqs": 64,
-    }
-    return ServerSettings(engine=EngineConfig(**(config | (engine or {}))), **server)
+    """The embedded model on CPU with a small pool; ``engine`` overrides ``EngineConfig`` knobs
+    by their flat names, the keywords ``ServerSettings`` fields."""
+    config = {"device": "cpu", "num_blocks": 256, "max_model_len": 256, "max_num_seqs": 64}
+    return ServerSettings(engine=EngineConfig.from_flat(config | (engine or {})), **server)
 
 
 @contextmanager

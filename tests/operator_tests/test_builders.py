@@ -533,7 +533,7 @@ def test_spec_invariants_are_checked_without_the_crd() -> None:
         isvc(
             autoscaling={"enabled": True, "minReplicas": 3, "maxReplicas": 2, "targetQueueDepth": 1}
         )
-    with pytest.raises(ValueError, match=r"power of two, 8\.\.128: 24"):
+    with pytest.raises(ValueError, match=r"power of two, 1\.\.256: 24"):
         isvc(engine={"blockSize": 24})
-    with pytest.raises(ValueError, match=r"gpuMemoryUtilization must be in \(0, 0.98\]: 1.5"):
+    with pytest.raises(ValueError, match=r"gpuMemoryUtilization must be in \(0, 1\]: 1.5"):
         isvc(engine={"gpuMemoryUtilization": 1.5})

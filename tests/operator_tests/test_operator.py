@@ -258,12 +258,12 @@ def test_drift_is_repaired_within_seconds(
         (
             {"engine": {"blockSize": 24}},
             "spec.engine.blockSize: Invalid value: 24: "
-            "blockSize must be a power of two from 8 to 128",
+            "blockSize must be a power of two from 1 to 256",
         ),
         (
             {"engine": {"gpuMemoryUtilization": 1.5}},
             "spec.engine.gpuMemoryUtilization: Invalid value: 1.5: "
-            "spec.engine.gpuMemoryUtilization in body should be less than or equal to 0.98",
+            "spec.engine.gpuMemoryUtilization in body should be less than or equal to 1",
         ),
         (
             {"engine": {"preemptionMode": "evict"}},

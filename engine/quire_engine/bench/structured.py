@@ -80,7 +80,7 @@ def _ttft(engine: LLMEngine, constraint: OutputConstraint, rid: str) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
+    engine = LLMEngine(EngineConfig.from_flat(model=args.model, device=args.device))
     never_ends = OutputConstraint(ConstraintKind.REGEX, "[ -~]*")
     _throughput(engine, argparse.Namespace(**{**vars(args), "batch": 4}), never_ends)  # warm-up
     free = _throughput(engine, args, None)

@@ -1,16 +1,33 @@
-"""Frozen, validated configuration for the engine's control side.
+"""The engine's configuration: one frozen tree, each field declared once (``knobs``).
 
-Every user-facing size is checked in ``__post_init__`` and rejected with a ``ValueError`` naming the
-field and the limit, so a bad flag fails at start-up instead of deep inside a step.
+``EngineConfig`` is what ``LLM(...)`` and ``quire-engine serve`` accept: ``model``
+(``ModelConfig``), ``cache`` (``CacheConfig``), ``scheduler`` (``SchedulerConfig``),
+``parallel`` (``ParallelConfig``) and ``seed``. Every field carries its flag, environment
+variable, default, bounds and help; ``__post_init__`` checks the declared bounds
+(``knobs.check``, a ``ValueError`` naming the field and the limit, so a bad flag fails at
+start-up instead of deep inside a step) and then the cross-field rules, written out below.
+
+The parts take their sub-configs as they are: ``Scheduler(config.scheduler, config.cache)``.
+``None`` means "derive it at start-up": ``max_model_len`` from the model,
+``max_num_batched_tokens`` from ``max_model_len``, the pool size (``num_blocks``) from
+``kv_cache_memory``, else device memory. ``plan_cache`` resolves them once, with
+``dataclasses.replace`` on the sub-config; ``num_cpu_blocks`` and ``sliding_window`` are derived
+only (no flag). ``EngineConfig.from_flat`` maps the flat names (``block_size=8``) into the tree.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from quire_engine.core import knobs
+from quire_engine.core.knobs import knob, section
 
 MAX_BLOCK_SIZE = 256
 DEFAULT_MASTER_PORT = 29500  # node 0's rendezvous under several nodes (torch's usual port)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class PreemptionMode(enum.Enum):
@@ -30,15 +47,21 @@ class PreemptionMode(enum.Enum):
             raise ValueError(f"preemption_mode must be one of {choices}; got {value!r}") from None
 
 
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What to load, where, and in which dtype."""
 
+    model: str | None = knob("tiny", "checkpoint directory, or 'tiny' for the embedded model")
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = knob(
+        "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)", choices=DTYPES
+    )
+    chat_template: str | None = knob(
+        None, "chat template (Jinja text, or a file holding it) replacing the tokenizer's own"
+    )
 
-def _check_int(name: str, value: object) -> int:
-    # bool is an int subclass; `block_size=True` is always a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer; got {value!r}")
-    return value
+    def __post_init__(self) -> None:
+        knobs.check(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,62 +69,64 @@ class CacheConfig:
     """Shape of the paged KV pool.
 
     ``num_blocks`` is the GPU (or CPU-device) pool; ``num_cpu_blocks`` is the swap pool used by
-    ``PreemptionMode.SWAP`` (0 disables swapping). ``sliding_window``: the window every layer of
-    the model obeys (None when any layer attends to the whole context); blocks wholly before it
-    are released while a sequence runs.
+    ``PreemptionMode.SWAP`` (0 disables swapping), sized from ``swap_space`` (GiB).
+    ``sliding_window``: the window every layer of the model obeys (None when any layer attends
+    to the whole context); blocks wholly before it are released while a sequence runs.
     """
 
-    num_blocks: int
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_cpu_blocks: int = 0
-    sliding_window: int | None = None
+    num_blocks: int | None = knob(
+        None,
+        "KV pool size in blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
+        min=1,
+        metavar="N",
+    )
+    block_size: int = knob(16, "tokens per KV block", power_of_two=True, max=MAX_BLOCK_SIZE)
+    enable_prefix_caching: bool = knob(True, "share KV blocks of identical prompt prefixes")
+    num_cpu_blocks: int = knob(0, "CPU swap pool in blocks (from --swap-space)", min=0, flag=False)
+    sliding_window: int | None = knob(
+        None, "the model's sliding attention window (from the model)", min=1, flag=False
+    )
+    kv_cache_memory: int | None = knob(
+        None,
+        "KV pool size (bytes, or 4G / 4GiB); overrides --gpu-memory-utilization",
+        min=1,
+        parse=knobs.parse_bytes,
+        unit="bytes",
+        metavar="SIZE",
+    )
+    gpu_memory_utilization: float = knob(
+        0.9, "share of GPU memory for weights, activations and the KV pool", above=0, max=1
+    )
+    swap_space: float = knob(
+        4.0, "CPU swap pool for --preemption-mode swap (GiB)", min=0, unit="GiB"
+    )
 
     def __post_init__(self) -> None:
-        block_size = _check_int("block_size", self.block_size)
-        if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size must be a power of two in 1..{MAX_BLOCK_SIZE}; got {block_size}"
-            )
-        if _check_int("num_blocks", self.num_blocks) < 1:
-            raise ValueError(f"num_blocks must be >= 1; got {self.num_blocks}")
-        if _check_int("num_cpu_blocks", self.num_cpu_blocks) < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0; got {self.num_cpu_blocks}")
-        if (
-            self.sliding_window is not None
-            and _check_int("sliding_window", self.sliding_window) < 1
-        ):
-            raise ValueError(f"sliding_window must be None or >= 1; got {self.sliding_window}")
+        knobs.check(self)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Limits of one scheduler step and of one sequence."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    max_num_seqs: int = knob(256, "sequences running at once", min=1)
+    max_num_batched_tokens: int | None = knob(
+        None, "tokens per step (default: max(2048, min(max_model_len, 8192)))", min=1
+    )
+    max_model_len: int | None = knob(None, "context length (default: the model's)", min=1)
+    preemption_mode: PreemptionMode = knob(
+        PreemptionMode.RECOMPUTE, "what preemption does to a victim's KV blocks"
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if _check_int(name, getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        # Accept the string form ("swap") from flags and keyword arguments.
-        object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))
+        knobs.check(self)
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything ``LLM(...)`` and ``quire-engine serve`` accept, with their (vLLM-like) defaults.
-
-    ``None`` means "derive it": ``max_model_len`` from the model, ``max_num_batched_tokens`` from
-    ``max_model_len``, the pool size from ``num_blocks``, else ``kv_cache_memory``, else device
-    memory. ``swap_space`` (GiB) sizes the CPU pool used only by ``preemption_mode="swap"``.
-    ``chat_template`` (a Jinja template or the path of a file holding one) replaces the
-    tokenizer's own; a model with neither refuses chat requests. ``tensor_parallel_size``: the
-    number of ranks (processes, one device each) the model's layers are sharded over, on all
-    nodes together; 1 runs the model in the engine process alone.
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` ranks (processes, one device each) the
+    model's layers are sharded over, on all nodes together; 1 runs the model in the engine
+    process alone.
 
     Several nodes (``nnodes`` > 1, e.g. the pods of one LeaderWorkerSet group): each runs
     ``tensor_parallel_size // nnodes`` consecutive ranks; node ``node_rank`` 0 is the engine
@@ -109,64 +134,32 @@ class EngineConfig:
     where they connect. With one node the ranks meet on an ephemeral loopback port instead.
     """
 
-    model: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    swap_space: float = 4.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    chat_template: str | None = None
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_MASTER_PORT
+    tensor_parallel_size: int = knob(
+        1,
+        "shard the model over this many devices, one worker process each (cuda:N..N+size-1)",
+        min=1,
+    )
+    nnodes: int = knob(
+        1, "nodes (pods) the --tensor-parallel-size ranks are spread over, equally", min=1
+    )
+    node_rank: int = knob(
+        0, "this node's index; node 0 serves HTTP and listens for the others on --host", min=0
+    )
+    master_addr: str = knob("127.0.0.1", "node 0's address, where nodes >= 1 connect")
+    master_port: int = knob(
+        DEFAULT_MASTER_PORT, "node 0's rendezvous port (under --nnodes > 1)", min=1, max=65535
+    )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "preemption_mode", PreemptionMode.parse(self.preemption_mode))
-        if _check_int("tensor_parallel_size", self.tensor_parallel_size) < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
-        self._check_nodes()
-        block_size = _check_int("block_size", self.block_size)
-        if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size must be a power of two in 1..{MAX_BLOCK_SIZE}; got {block_size}"
-            )
-        for name in ("num_blocks", "kv_cache_memory", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and _check_int(name, value) < 1:
-                raise ValueError(f"{name} must be >= 1; got {value}")
-        if _check_int("max_num_seqs", self.max_num_seqs) < 1:
-            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
-            )
-        if not self.swap_space >= 0:
-            raise ValueError(f"swap_space must be >= 0 GiB; got {self.swap_space}")
-        _check_int("seed", self.seed)
-
-    def _check_nodes(self) -> None:
-        if _check_int("nnodes", self.nnodes) < 1:
-            raise ValueError(f"nnodes must be >= 1; got {self.nnodes}")
-        if not 0 <= _check_int("node_rank", self.node_rank) < self.nnodes:
+        knobs.check(self)
+        if not self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size ({self.tensor_parallel_size}, the ranks of all nodes) must "
                 f"be a multiple of nnodes ({self.nnodes})"
             )
-        if not 1 <= _check_int("master_port", self.master_port) <= 65535:
-            raise ValueError(f"master_port must be in 1..65535; got {self.master_port}")
-        if not isinstance(self.master_addr, str) or not self.master_addr:
+        if not self.master_addr:
             raise ValueError(
                 f"master_addr must be a host name or address; got {self.master_addr!r}"
             )
@@ -175,3 +168,25 @@ class EngineConfig:
     def ranks_per_node(self) -> int:
         """Tensor-parallel ranks (processes, devices) on each node."""
         return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything ``LLM(...)`` and ``quire-engine serve`` accept, with their (vLLM-like)
+    defaults, as a tree (see the module docstring). ``chat_template`` replaces the tokenizer's
+    own; a model with neither refuses chat requests."""
+
+    model: ModelConfig = section(ModelConfig)
+    cache: CacheConfig = section(CacheConfig)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    seed: int = knob(0, "seed of unseeded sampling")
+
+    def __post_init__(self) -> None:
+        knobs.check(self)
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any] | None = None, **kwargs: Any) -> EngineConfig:
+        """The tree from flat names, the serve flags in snake_case (``block_size=8``,
+        ``tensor_parallel_size=2``); ``ValueError`` naming an unknown one."""
+        return knobs.build(cls, {**(flat or {}), **kwargs})

@@ -39,6 +39,7 @@ from array import array
 
 from quire_engine.core.block_pool import Block, BlockPool, PoolStats
 from quire_engine.core.config import CacheConfig
+from quire_engine.core.knobs import resolved
 from quire_engine.core.sequence import Sequence
 
 # The table entry of a released leading block: not a pool block (no pool ever counts or frees it).
@@ -148,7 +149,8 @@ class KVCacheManager:
     def __init__(self, config: CacheConfig) -> None:
         self.block_size = config.block_size
         self.sliding_window = config.sliding_window
-        self.pool = BlockPool(config.num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        self.num_blocks = resolved(config.num_blocks, "num_blocks")  # the device pool's size
+        self.pool = BlockPool(self.num_blocks, enable_prefix_caching=config.enable_prefix_caching)
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
         self._tables: dict[str, _Table] = {}
         self._cpu_tables: dict[str, list[Block]] = {}

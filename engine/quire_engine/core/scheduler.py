@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.knobs import resolved
 from quire_engine.core.kv_cache_manager import KVCacheManager
 from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from quire_engine.core.stats import SchedulerStats, kv_demand_blocks
@@ -102,6 +103,11 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
+        # Limits derived at start-up (plan_cache): resolved in the config by now.
+        self.max_model_len = resolved(scheduler_config.max_model_len, "max_model_len")
+        self.max_num_batched_tokens = resolved(
+            scheduler_config.max_num_batched_tokens, "max_num_batched_tokens"
+        )
         self.kv = KVCacheManager(cache_config)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival: the tail is the newest
@@ -114,18 +120,18 @@ class Scheduler:
         """Queue a new sequence; rejects what could never run (``ValueError``, nothing held)."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {seq.seq_id!r}")
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if seq.num_tokens > max_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens, more than max_model_len={max_len}"
             )
         peak = min(seq.num_tokens + seq.max_tokens, max_len)
-        need = self.kv.max_blocks_held(peak, self.config.max_num_batched_tokens)
-        if need > self.cache_config.num_blocks:
+        need = self.kv.max_blocks_held(peak, self.max_num_batched_tokens)
+        if need > self.kv.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks ({peak} tokens at block_size="
                 f"{self.kv.block_size}) but the pool has only num_blocks="
-                f"{self.cache_config.num_blocks}; lower max_tokens or raise the KV cache size"
+                f"{self.kv.num_blocks}; lower max_tokens or raise the KV cache size"
             )
         seq.status = SequenceStatus.WAITING
         seq.token_limit = min(seq.token_limit, max_len)
@@ -143,7 +149,7 @@ class Scheduler:
         if child.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {child.seq_id!r}")
         self.seqs[child.seq_id] = child
-        child.token_limit = min(child.token_limit, self.config.max_model_len)
+        child.token_limit = min(child.token_limit, self.max_model_len)
         if parent.reserved_seqs > 1:  # the child takes a slot its parent reserved for it
             parent.reserved_seqs -= 1
         if parent.status is SequenceStatus.RUNNING:
@@ -183,7 +189,7 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(self.kv.block_size)
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         kv = self.kv
         running = self.running
         # The decode loop below is the hot path of every step (hundreds of sequences): the output
@@ -215,7 +221,7 @@ class Scheduler:
                 tables.append(ids)
                 samples.append(start + n == known)
                 budget -= n
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
 
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 from quire_engine.core.block_pool import PoolStats
-from quire_engine.core.config import PreemptionMode, SchedulerConfig
+from quire_engine.core.config import PreemptionMode
 from quire_engine.core.kv_cache_manager import KVCacheManager
 from quire_engine.core.sequence import Sequence
 
@@ -43,7 +43,7 @@ class DemandSource(Protocol):
     """What :func:`kv_demand_blocks` reads of a scheduler (``core.scheduler.Scheduler`` is one)."""
 
     @property
-    def config(self) -> SchedulerConfig: ...
+    def max_model_len(self) -> int: ...
 
     @property
     def kv(self) -> KVCacheManager: ...
@@ -66,7 +66,7 @@ def kv_demand_blocks(scheduler: DemandSource, output_share: float = KV_DEMAND_OU
     if not 0.0 <= output_share <= 1.0:
         raise ValueError(f"output_share must be in [0, 1]; got {output_share}")
     kv = scheduler.kv
-    max_len = scheduler.config.max_model_len
+    max_len = scheduler.max_model_len
     demand = kv.stats().used
     bs, held = kv.block_size, kv.live_ids
     for seq in scheduler.seqs.values():  # every step, every sequence: plain arithmetic only

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from dataclasses import fields
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -24,14 +23,12 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """``engine_args`` are the fields of ``EngineConfig`` (the serve flags in snake_case):
-        block_size, num_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-        preemption_mode, swap_space, max_num_seqs, max_num_batched_tokens, max_model_len,
-        device, dtype, seed, tensor_parallel_size. An unknown name raises ``ValueError``."""
-        unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
-        if unknown:
-            raise ValueError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        """``engine_args`` are the knobs of ``EngineConfig`` by their flat names (the serve
+        flags in snake_case): block_size, num_blocks, kv_cache_memory, gpu_memory_utilization,
+        enable_prefix_caching, preemption_mode, swap_space, max_num_seqs,
+        max_num_batched_tokens, max_model_len, device, dtype, seed, tensor_parallel_size, ...
+        (docs/configuration.md). An unknown name raises ``ValueError``."""
+        self.engine = LLMEngine(EngineConfig.from_flat(engine_args, model=model))
         self._ids = itertools.count()
 
     @property

@@ -35,7 +35,7 @@ import torch
 
 from quire_engine.core import beam_search
 from quire_engine.core.beam_state import TopTokens
-from quire_engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quire_engine.core.config import EngineConfig
 from quire_engine.core.detokenizer import find_stop
 from quire_engine.core.outputs import CompletionOutput, Prefix, RequestOutput
 from quire_engine.core.request_table import Request, RequestTable, Sample
@@ -97,11 +97,11 @@ class LLMEngine:
         from now; ``serve`` passes one counting from process start)."""
         self.config = config
         self.startup = startup if startup is not None else StartupTimes()
-        self.device = model_loader.resolve_device(config.device)
-        self.dtype = model_loader.resolve_dtype(config.dtype, self.device)
+        self.device = model_loader.resolve_device(config.model.device)
+        self.dtype = model_loader.resolve_dtype(config.model.dtype, self.device)
         # Tensor parallelism: this process is rank 0; the other ranks start first, as loading
         # and sizing the pool are collective.
-        self.parallel = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        self.parallel = WorkerGroup(config) if config.parallel.tensor_parallel_size > 1 else None
         # The workers stop with the engine, even one never closed (or at interpreter exit).
         self._stop_workers = weakref.finalize(self, self.parallel.close) if self.parallel else None
         try:
@@ -119,8 +119,9 @@ class LLMEngine:
         phase = self.startup.phase
         # A wait for a shared model cache goes here, inside phase(StartupPhase.MODEL_CACHE).
         with phase(StartupPhase.WEIGHTS):
+            model = config.model
             loaded = model_loader.load(
-                config.model, self.device, self.dtype, config.chat_template, comm
+                model.model, self.device, self.dtype, model.chat_template, comm
             )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -129,24 +130,15 @@ class LLMEngine:
         self.sampling_defaults = loaded.sampling_defaults
         self.vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009
         with phase(StartupPhase.KV_PROFILE):
-            cache = plan_cache(config, loaded, self.device, self.dtype, comm)
-        max_len, batched, shape = cache.max_model_len, cache.max_num_batched_tokens, cache.shape
-        num_blocks, num_cpu_blocks = cache.num_blocks, cache.num_cpu_blocks
-        self.max_model_len = max_len
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, batched, max_len, config.preemption_mode),
-            CacheConfig(
-                num_blocks,
-                config.block_size,
-                config.enable_prefix_caching,
-                num_cpu_blocks,
-                sliding_window=loaded.sliding_window,
-            ),
-        )
+            plan = plan_cache(config, loaded, self.device, self.dtype, comm)
+        # The sub-configs with the derived values resolved, as the parts take them.
+        self.scheduler = Scheduler(plan.scheduler, plan.cache)
+        self.max_model_len = self.scheduler.max_model_len
+        num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         with phase(StartupPhase.KV_ALLOCATE):
             self.runner = ModelRunner(
                 loaded.model,
-                shape,
+                plan.shape,
                 num_blocks=num_blocks,
                 num_cpu_blocks=num_cpu_blocks,
                 device=self.device,
@@ -159,11 +151,11 @@ class LLMEngine:
             "KV pool: %d blocks x %d tokens (%.1f MiB per rank), %d CPU swap blocks, "
             "max_model_len %d, tensor_parallel_size %d",
             num_blocks,
-            config.block_size,
-            num_blocks * shape.bytes_per_block / 2**20,
+            plan.cache.block_size,
+            num_blocks * plan.shape.bytes_per_block / 2**20,
             num_cpu_blocks,
-            max_len,
-            config.tensor_parallel_size,
+            self.max_model_len,
+            config.parallel.tensor_parallel_size,
         )
 
     def check_health(self) -> None:

@@ -55,12 +55,12 @@ class EngineFacts:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
-        config = engine.config
+        cache = engine.scheduler.cache_config
         return cls(
             engine.max_model_len,
-            engine.scheduler.cache_config,
-            config.gpu_memory_utilization,
-            config.swap_space,
+            cache,
+            cache.gpu_memory_utilization,
+            cache.swap_space,
             dict(engine.startup.seconds),
         )
 

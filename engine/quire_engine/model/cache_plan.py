@@ -8,11 +8,13 @@ group takes the smallest (``Collectives.min_int``), so one block allocator serve
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from quire_engine.core.config import EngineConfig, PreemptionMode
+from quire_engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.knobs import resolved
 from quire_engine.core.kv_cache_manager import max_blocks_held
 from quire_engine.model.collectives import Collectives
 from quire_engine.model.loader import LoadedModel
@@ -21,11 +23,21 @@ from quire_engine.model.runner import CacheShape, profile_peak_memory, size_pool
 
 @dataclass(frozen=True, slots=True)
 class CachePlan:
+    """The engine's sub-configs with every derived value resolved (``dataclasses.replace``):
+    ``scheduler`` gains ``max_model_len`` and ``max_num_batched_tokens``, ``cache`` the pool
+    sizes and the model's sliding window; the parts take them as they are."""
+
     shape: CacheShape  # this rank's block shape (its KV heads under tensor parallelism)
-    max_model_len: int
-    max_num_batched_tokens: int
-    num_blocks: int
-    num_cpu_blocks: int
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+
+    @property
+    def num_blocks(self) -> int:
+        return resolved(self.cache.num_blocks, "num_blocks")
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cache.num_cpu_blocks
 
 
 def plan_cache(
@@ -37,37 +49,47 @@ def plan_cache(
 ) -> CachePlan:
     """``ValueError`` when ``max_model_len`` exceeds the model's limit or one sequence does not
     fit. Every rank of a group must call it (it runs collectives)."""
-    max_len = config.max_model_len or loaded.max_position_embeddings
+    cache, sched = config.cache, config.scheduler
+    max_len = sched.max_model_len or loaded.max_position_embeddings
     if max_len > loaded.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds {loaded.context_limit}")
-    batched = config.max_num_batched_tokens or max(2048, min(max_len, 8192))
-    shape = CacheShape.of(loaded.model, config.block_size, dtype, loaded.num_kv_heads)
-    explicit = config.num_blocks is not None or config.kv_cache_memory is not None
+    batched = sched.max_num_batched_tokens or max(2048, min(max_len, 8192))
+    shape = CacheShape.of(loaded.model, cache.block_size, dtype, loaded.num_kv_heads)
+    explicit = cache.num_blocks is not None or cache.kv_cache_memory is not None
     peak = None
     if device.type == "cuda" and not explicit:
-        peak = profile_peak_memory(loaded.model, batched, config.max_num_seqs, device)
-    min_blocks = max_blocks_held(max_len, batched, config.block_size, loaded.sliding_window)
+        peak = profile_peak_memory(loaded.model, batched, sched.max_num_seqs, device)
+    min_blocks = max_blocks_held(max_len, batched, cache.block_size, loaded.sliding_window)
 
     def size(num_blocks: int | None, min_tokens: int, min_blocks: int) -> int:
         return size_pool(
             shape=shape,
             device=device,
             num_blocks=num_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory=cache.kv_cache_memory,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
             profile_peak_bytes=peak,
             min_tokens=min_tokens,
             min_blocks=min_blocks,
         )
 
-    num_blocks = config.num_blocks
+    num_blocks = cache.num_blocks
     num_cpu_blocks = 0
-    if config.preemption_mode is PreemptionMode.SWAP:
-        num_cpu_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
+    if sched.preemption_mode is PreemptionMode.SWAP:
+        num_cpu_blocks = int(cache.swap_space * 2**30) // shape.bytes_per_block
     if comm is not None and comm.world > 1:
         # What this rank could hold, unchecked (every rank must reach the collective), then the
         # smallest share, checked on every rank alike.
         num_blocks = comm.min_int(size(num_blocks, 1, 0), device)
         num_cpu_blocks = comm.min_int(num_cpu_blocks, device)
     blocks = size(num_blocks, max_len, min_blocks)
-    return CachePlan(shape, max_len, batched, blocks, num_cpu_blocks)
+    return CachePlan(
+        shape,
+        dataclasses.replace(sched, max_model_len=max_len, max_num_batched_tokens=batched),
+        dataclasses.replace(
+            cache,
+            num_blocks=blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            sliding_window=loaded.sliding_window,
+        ),
+    )

@@ -50,19 +50,20 @@ class WorkerGroup:
     (one pipe each), the other nodes' ranks as plan connections (one TCP connection each)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.node_rank != 0:
+        parallel = config.parallel
+        if parallel.node_rank != 0:
             raise ValueError(
-                f"node_rank {config.node_rank} serves no requests: only node 0 runs the engine "
+                f"node_rank {parallel.node_rank} serves no requests: only node 0 runs the engine "
                 "(run the others with quire-engine serve --headless)"
             )
-        world, local = config.tensor_parallel_size, config.ranks_per_node
+        world, local = parallel.tensor_parallel_size, parallel.ranks_per_node
         device = worker.rank_device(config, 0)
         if device.type == "cuda" and (device.index or 0) + local > torch.cuda.device_count():
             raise ValueError(
                 f"{local} tensor-parallel ranks per node from {device} need {local} CUDA "
                 f"devices; this machine has {torch.cuda.device_count()}"
             )
-        loader.check_tensor_parallel(config.model, world)  # refuse before starting anything
+        loader.check_tensor_parallel(config.model.model, world)  # refuse before starting anything
         threads = torch.get_num_threads()
         if device.type == "cpu":
             # Every rank of this node shares its cores.
@@ -74,11 +75,11 @@ class WorkerGroup:
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._remote: dict[int, Connection] = {}  # rank -> plan connection, other nodes' ranks
-        several = config.nnodes > 1
+        several = parallel.nnodes > 1
         # The rendezvous lives as long as the group. One node: an ephemeral loopback port.
         self._rendezvous = rendezvous.Rendezvous(
-            config.master_addr if several else "127.0.0.1",
-            config.master_port if several else 0,
+            parallel.master_addr if several else "127.0.0.1",
+            parallel.master_port if several else 0,
             world,
             COLLECTIVE_TIMEOUT_S,
             remote=config if several else None,

@@ -33,21 +33,22 @@ _STOP_GRACE_S = 10.0
 
 def start(config: EngineConfig) -> list[BaseProcess]:
     """Spawn this node's ranks (``ValueError`` on node 0, which the engine runs)."""
-    if config.node_rank == 0:
+    parallel = config.parallel
+    if parallel.node_rank == 0:
         raise ValueError("node 0 runs the engine: --headless needs --node-rank >= 1")
-    per = config.ranks_per_node
+    per = parallel.ranks_per_node
     threads = torch.get_num_threads()
     if worker.rank_device(config, 0).type == "cpu":
         threads = max(1, threads // per)
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
-    first = config.node_rank * per
+    first = parallel.node_rank * per
     for rank in range(first, first + per):
         spec = worker.RankSpec(
             rank,
-            config.tensor_parallel_size,
-            config.master_addr,
-            config.master_port,
+            parallel.tensor_parallel_size,
+            parallel.master_addr,
+            parallel.master_port,
             threads,
             COLLECTIVE_TIMEOUT_S,
             remote=True,
@@ -82,13 +83,14 @@ def run(config: EngineConfig) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     procs = start(config)
+    parallel = config.parallel
     logger.info(
         "node %d of %d: ranks %s, node 0 at %s:%d",
-        config.node_rank,
-        config.nnodes,
+        parallel.node_rank,
+        parallel.nnodes,
         [p.name for p in procs],
-        config.master_addr,
-        config.master_port,
+        parallel.master_addr,
+        parallel.master_port,
     )
     try:
         running = list(procs)

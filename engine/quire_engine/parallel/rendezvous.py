@@ -176,14 +176,16 @@ def leader_config(store: dist.Store, mine: EngineConfig) -> EngineConfig:
     """Node 0's config with this node's own fields; ``ValueError`` when the two disagree on the
     group's shape (the nodes were started with different flags)."""
     theirs: EngineConfig = pickle.loads(store.get(CONFIG_KEY))
+    ours, leaders = mine.parallel, theirs.parallel
     shape = ("tensor_parallel_size", "nnodes")
-    if any(getattr(theirs, name) != getattr(mine, name) for name in shape):
+    if any(getattr(leaders, name) != getattr(ours, name) for name in shape):
         raise ValueError(
-            f"node {mine.node_rank} has tensor_parallel_size={mine.tensor_parallel_size}, "
-            f"nnodes={mine.nnodes} but node 0 has tensor_parallel_size="
-            f"{theirs.tensor_parallel_size}, nnodes={theirs.nnodes}"
+            f"node {ours.node_rank} has tensor_parallel_size={ours.tensor_parallel_size}, "
+            f"nnodes={ours.nnodes} but node 0 has tensor_parallel_size="
+            f"{leaders.tensor_parallel_size}, nnodes={leaders.nnodes}"
         )
-    return dataclasses.replace(theirs, node_rank=mine.node_rank, master_addr=mine.master_addr)
+    parallel = dataclasses.replace(leaders, node_rank=ours.node_rank, master_addr=ours.master_addr)
+    return dataclasses.replace(theirs, parallel=parallel)
 
 
 def connect_plans(store: dist.Store, host: str, rank: int, timeout: float) -> Connection:

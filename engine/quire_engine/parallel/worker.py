@@ -46,9 +46,9 @@ class RankSpec(NamedTuple):
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """Rank ``r`` runs on its node's ``r % ranks_per_node``-th device after the configured one
     (``cuda:N`` -> N + that)."""
-    device = loader.resolve_device(config.device)
+    device = loader.resolve_device(config.model.device)
     if device.type == "cuda":
-        return torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
+        return torch.device("cuda", (device.index or 0) + rank % config.parallel.ranks_per_node)
     return device
 
 
@@ -67,8 +67,9 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
     comm = Collectives(group, spec.rank, spec.world)
     if conn is None:
         conn = rendezvous.connect_plans(store, spec.host, spec.rank, spec.timeout)
-    dtype = loader.resolve_dtype(config.dtype, device)
-    loaded = loader.load(config.model, device, dtype, config.chat_template, comm)
+    model = config.model
+    dtype = loader.resolve_dtype(model.dtype, device)
+    loaded = loader.load(model.model, device, dtype, model.chat_template, comm)
     cache = plan_cache(config, loaded, device, dtype, comm)
     runner = ModelRunner(
         loaded.model,

@@ -29,16 +29,17 @@ schema documents these error bodies (400, not FastAPI's 422).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from quire_engine.core import knobs
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.knobs import knob, section
 from quire_engine.engine.async_engine import AsyncEngine
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.engine.metrics import ServerMetrics
@@ -52,48 +53,68 @@ from quire_engine.server.protocol import OpenAIError
 from quire_engine.server.reasoning import ReasoningParserName
 from quire_engine.server.tool_choice import ToolSettings
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-# Fields the engine validates against itself (max_num_seqs, the vocabulary).
-_ENGINE_CHECKED = frozenset(
-    {"n", "stop_token_ids", "allowed_token_ids", "logit_bias", "beam_width"}
-)
 DEFAULT_MAX_WAITING = 512
 DEFAULT_STEP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    """``max_waiting``: 503 beyond this many queued requests (None: unbounded).
+    """The app's settings, declared as knobs (``core.knobs``; ``serve``'s flags are generated
+    from them): ``engine`` is the engine's config tree, ``tools`` the tool-call settings.
+    ``max_waiting``: 503 beyond this many queued requests (None: unbounded).
     ``step_timeout``: seconds without engine progress, while work is pending, after which the
     engine counts as hung (None: never). ``shutdown_timeout``: seconds a drain waits for
     requests in flight (see ``drain``). ``vllm_metrics``: /metrics also exports vLLM's names
-    for the same data (``engine.vllm_metrics``). ``tools``: ``--enable-auto-tool-choice`` and
-    ``--tool-call-parser``; ``reasoning_parser``: how chat outputs' thinking is split off."""
+    for the same data (``engine.vllm_metrics``). ``reasoning_parser``: how chat outputs'
+    thinking is split off."""
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    served_model_names: tuple[str, ...] = ("tiny",)  # the first one names responses and metrics
-    api_key: str | None = None
-    max_waiting: int | None = DEFAULT_MAX_WAITING
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    vllm_metrics: bool = True
-    tools: ToolSettings = field(default_factory=ToolSettings)
-    reasoning_parser: ReasoningParserName | None = None
+    engine: EngineConfig = section(EngineConfig)
+    served_model_names: tuple[str, ...] = knob(
+        ("tiny",),  # the first one names responses and metrics
+        "name(s) clients use in 'model'; the first one names responses and metrics "
+        "(default: --model)",
+        name="served_model_name",
+        flag_default=None,
+        metavar="NAME",
+    )
+    api_key: str | None = knob(None, "require 'Authorization: Bearer <key>' on /v1")
+    max_waiting: int | None = knob(
+        DEFAULT_MAX_WAITING, "answer 503 when this many requests already wait", min=1
+    )
+    max_body_bytes: int = knob(
+        DEFAULT_MAX_BODY_BYTES,
+        "answer 413 to larger request bodies",
+        name="max_request_bytes",
+        min=1,
+    )
+    step_timeout: float | None = knob(
+        DEFAULT_STEP_TIMEOUT_S,
+        "seconds without engine progress, while work is pending, after which /health turns 503 "
+        "and the server exits 1 (0: never)",
+        above=0,
+        unit="seconds",
+    )
+    shutdown_timeout: float = knob(
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
+        "on SIGTERM, seconds requests in flight get to finish before they are ended",
+        min=0,
+        unit="seconds",
+    )
+    vllm_metrics: bool = knob(
+        True,
+        "also export vLLM's metric names (vllm:*) on /metrics, for routers, dashboards and "
+        "benchmarks written for vLLM; --no-vllm-metrics exports the quire_* series only",
+    )
+    tools: ToolSettings = section(ToolSettings)
+    reasoning_parser: ReasoningParserName | None = knob(
+        None, "split the model's thinking (<think>...</think>) into reasoning_content"
+    )
     engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
     on_engine_death: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_waiting is not None and self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1; got {self.max_waiting}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1; got {self.max_body_bytes}")
-        if self.step_timeout is not None and not self.step_timeout > 0:
-            raise ValueError(f"step_timeout must be > 0 seconds; got {self.step_timeout}")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds; got {self.shutdown_timeout}")
+        knobs.check(self)
 
 
 def create_app(settings: ServerSettings) -> FastAPI:

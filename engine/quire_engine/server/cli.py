@@ -22,251 +22,70 @@ import asyncio
 import gc
 import json
 import logging
-import os
-import re
 import signal
 import socket
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
-from quire_engine.core.config import DEFAULT_MASTER_PORT, EngineConfig, PreemptionMode
+from quire_engine.core import knobs
+from quire_engine.core.config import EngineConfig
+from quire_engine.core.knobs import env_name as env_name  # re-exported: the flags' variables
+from quire_engine.core.knobs import knob, section
+from quire_engine.core.knobs import parse_bytes as parse_bytes  # re-exported: sizes of flags
 from quire_engine.hub_cache import wait_for_cache
-from quire_engine.server.app import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_WAITING,
-    DEFAULT_STEP_TIMEOUT_S,
-    ServerSettings,
-)
-from quire_engine.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
-from quire_engine.server.reasoning import ReasoningParserName
-from quire_engine.server.tool_choice import ToolSettings
-from quire_engine.server.tool_parsers import ToolParserName
+from quire_engine.server.app import ServerSettings
+from quire_engine.server.drain import Drain
 
-ENV_PREFIX = "QUIRE_"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 logger = logging.getLogger(__name__)
 
 
-def parse_bytes(text: str) -> int:
-    """``1073741824``, ``4G`` (10^9) or ``4GiB`` (2^30) -> bytes."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (e.g. 2147483648, 2G, 2GiB)")
-    number, unit, binary = match.groups()
-    power = " kmgt".index(unit.lower() or " ")
-    return int(float(number) * (1024 if binary else 1000) ** power)
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """``quire-engine serve``'s whole command line, declared as knobs: the app's settings
+    (``ServerSettings``, holding the engine's config tree) and what only the process uses."""
 
-
-def env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _flag(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs: Any) -> None:
-    """``parser.add_argument`` whose default comes from ``QUIRE_<FLAG>`` when that is set."""
-    name = env_name(flag)
-    raw = os.environ.get(name)
-    kwargs["help"] = f"{help} [env {name}]"
-    if raw is not None:
-        kwargs["default"] = _from_env(parser, name, raw, kwargs)
-    parser.add_argument(flag, **kwargs)
-
-
-def _from_env(parser: argparse.ArgumentParser, name: str, raw: str, kwargs: dict[str, Any]) -> Any:
-    try:
-        if kwargs.get("action") is argparse.BooleanOptionalAction:
-            if raw.strip().lower() not in _TRUE | _FALSE:
-                raise ValueError("expected true or false")
-            return raw.strip().lower() in _TRUE
-        if kwargs.get("nargs") == "+":
-            return [part for part in re.split(r"[,\s]+", raw) if part]
-        convert: Callable[[str], Any] = kwargs.get("type", str)
-        value = convert(raw)
-    except ValueError as exc:
-        parser.error(f"{name}={raw!r}: {exc}")
-    if "choices" in kwargs and value not in kwargs["choices"]:
-        parser.error(f"{name}={raw!r}: choose from {', '.join(kwargs['choices'])}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    def flag(name: str, help: str, **kwargs: Any) -> None:
-        _flag(parser, name, help, **kwargs)
-
-    flag("--model", "checkpoint directory, or 'tiny' for the embedded model", default="tiny")
-    flag(
-        "--served-model-name",
-        "name(s) clients use in 'model'; the first one names responses and metrics "
-        "(default: --model)",
-        nargs="+",
-        default=None,
+    settings: ServerSettings = section(ServerSettings)
+    host: str = knob("127.0.0.1", "address to listen on")
+    port: int = knob(8000, "port to listen on", min=0, max=65535)
+    headless: bool = knob(
+        False, "run only this node's tensor-parallel ranks, no HTTP server (nodes >= 1)"
     )
-    flag("--host", "address to listen on", default="127.0.0.1")
-    flag("--port", "port to listen on", type=int, default=8000)
-    flag("--device", "auto, cpu, cuda or cuda:N", default="auto")
-    flag(
-        "--dtype",
-        "weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-    )
-    flag("--block-size", "tokens per KV block", type=int, default=16)
-    flag(
-        "--gpu-memory-utilization",
-        "share of GPU memory for weights, activations and the KV pool",
-        type=float,
-        default=0.9,
-    )
-    flag(
-        "--kv-cache-memory",
-        "KV pool size (bytes, or 4G / 4GiB); overrides --gpu-memory-utilization",
-        type=parse_bytes,
-        default=None,
-    )
-    flag("--num-blocks", "KV pool size in blocks (overrides both above)", type=int, default=None)
-    flag("--max-num-seqs", "sequences running at once", type=int, default=256)
-    flag("--max-num-batched-tokens", "tokens per step", type=int, default=None)
-    flag("--max-model-len", "context length (default: the model's)", type=int, default=None)
-    flag(
-        "--enable-prefix-caching",
-        "share KV blocks of identical prompt prefixes",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-    )
-    flag(
-        "--preemption-mode",
-        "what preemption does to a victim's KV blocks",
-        choices=[m.value for m in PreemptionMode],
-        default="recompute",
-    )
-    flag("--swap-space", "CPU swap pool for --preemption-mode swap (GiB)", type=float, default=4.0)
-    flag(
-        "--tensor-parallel-size",
-        "shard the model over this many devices, one worker process each (cuda:N..N+size-1)",
-        type=int,
-        default=1,
-    )
-    flag(
-        "--nnodes",
-        "nodes (pods) the --tensor-parallel-size ranks are spread over, equally",
-        type=int,
-        default=1,
-    )
-    flag(
-        "--node-rank",
-        "this node's index; node 0 serves HTTP and listens for the others on --host",
-        type=int,
-        default=0,
-    )
-    flag("--master-addr", "node 0's address, where nodes >= 1 connect", default="127.0.0.1")
-    flag(
-        "--master-port",
-        "node 0's rendezvous port (under --nnodes > 1)",
-        type=int,
-        default=DEFAULT_MASTER_PORT,
-    )
-    flag(
-        "--headless",
-        "run only this node's tensor-parallel ranks, no HTTP server (nodes >= 1)",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-    )
-    flag(
-        "--wait-for-model-cache",
+    wait_for_model_cache: bool = knob(
+        False,
         "before loading, wait until --model holds the model cache's completion marker "
         "(.quire-complete.json, written last by the operator's download Job)",
-        action=argparse.BooleanOptionalAction,
-        default=False,
     )
-    flag(
-        "--model-cache-timeout",
-        "seconds --wait-for-model-cache waits before the load fails",
-        type=float,
-        default=3600.0,
+    model_cache_timeout: float = knob(
+        3600.0, "seconds --wait-for-model-cache waits before the load fails", unit="seconds"
     )
-    flag("--seed", "seed of unseeded sampling", type=int, default=0)
-    flag(
-        "--chat-template",
-        "chat template (Jinja text, or a file holding it) replacing the tokenizer's own",
-        default=None,
-    )
-    flag("--api-key", "require 'Authorization: Bearer <key>' on /v1", default=None)
-    flag(
-        "--max-waiting",
-        "answer 503 when this many requests already wait",
-        type=int,
-        default=DEFAULT_MAX_WAITING,
-    )
-    flag(
-        "--shutdown-timeout",
-        "on SIGTERM, seconds requests in flight get to finish before they are ended",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-    )
-    flag(
-        "--step-timeout",
-        "seconds without engine progress, while work is pending, after which /health turns 503 "
-        "and the server exits 1 (0: never)",
-        type=float,
-        default=DEFAULT_STEP_TIMEOUT_S,
-    )
-    flag(
-        "--max-request-bytes",
-        "answer 413 to larger request bodies",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-    )
-    flag(
-        "--profile",
+    profile: bool = knob(
+        False,
         "time every engine step by phase (matmuls, attention, rest of the forward, step "
         "Python) and export it on /metrics as quire_profile_step_cpu_seconds_total; for "
         "benchmarks (bench serve --profile): the hooks cost microseconds per module call",
-        action=argparse.BooleanOptionalAction,
-        default=False,
     )
-    flag(
-        "--vllm-metrics",
-        "also export vLLM's metric names (vllm:*) on /metrics, for routers, dashboards and "
-        "benchmarks written for vLLM; --no-vllm-metrics exports the quire_* series only",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-    )
-    flag(
-        "--enable-auto-tool-choice",
-        "allow tool_choice 'auto' (the default when a request has tools): the model's calls "
-        "are read out of its text by --tool-call-parser",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-    )
-    flag(
-        "--tool-call-parser",
-        "the format of the model's tool calls, for tool_choice 'auto'",
-        choices=[p.value for p in ToolParserName],
-        default=None,
-    )
-    flag(
-        "--reasoning-parser",
-        "split the model's thinking (<think>...</think>) into reasoning_content",
-        choices=[p.value for p in ReasoningParserName],
-        default=None,
-    )
-    flag("--log-format", "log line format", choices=["text", "json"], default="text")
-    flag(
-        "--log-level",
-        "log level",
-        choices=["debug", "info", "warning", "error"],
-        default="info",
-    )
+    log_format: str = knob("text", "log line format", choices=LOG_FORMATS)
+    log_level: str = knob("info", "log level", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        knobs.check(self)
 
 
-def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """``ValueError`` (naming the field) for values the engine would refuse."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every knob of ``ServeOptions`` as a flag with its ``QUIRE_*`` variable (``knobs``)."""
+    knobs.add_flags(parser, ServeOptions)
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """``ValueError`` (naming the field) for values the engine would refuse. What the flags
+    mean beyond their fields (0: never, the default names, where node 0 listens) is applied
+    here, and the rules across fields are checked here."""
     if args.headless != (args.node_rank > 0):
         raise ValueError(
             "--headless goes with --node-rank >= 1: node 0 serves HTTP, the others only run "
@@ -280,47 +99,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "--wait-for-model-cache needs a checkpoint directory as --model and a "
             f"--model-cache-timeout above 0; got {args.model!r}, {args.model_cache_timeout:g}"
         )
-    engine = EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        tensor_parallel_size=args.tensor_parallel_size,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
+    values = {name: getattr(args, name) for name in knobs.flags(ServeOptions)}
+    values |= {
+        "served_model_name": tuple(args.served_model_name or [args.model]),
+        "api_key": args.api_key or None,
+        "step_timeout": args.step_timeout or None,
         # Node 0 listens for the other nodes where it listens for HTTP.
-        master_addr=args.host if args.node_rank == 0 else args.master_addr,
-        master_port=args.master_port,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        chat_template=args.chat_template,
-    )
-    names = tuple(args.served_model_name or [args.model])
-    return ServerSettings(
-        engine=engine,
-        served_model_names=names,
-        api_key=args.api_key or None,
-        max_waiting=args.max_waiting,
-        max_body_bytes=args.max_request_bytes,
-        step_timeout=args.step_timeout or None,
-        shutdown_timeout=args.shutdown_timeout,
-        vllm_metrics=args.vllm_metrics,
-        tools=ToolSettings(
-            args.enable_auto_tool_choice,
-            ToolParserName(args.tool_call_parser) if args.tool_call_parser else None,
-        ),
-        reasoning_parser=ReasoningParserName(args.reasoning_parser)
-        if args.reasoning_parser
-        else None,
-    )
+        "master_addr": args.host if args.node_rank == 0 else args.master_addr,
+    }
+    return knobs.build(ServeOptions, values, what="serve arguments")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The app's settings of the parsed command line (see ``options_from_args``)."""
+    return options_from_args(args).settings
 
 
 class JsonFormatter(logging.Formatter):

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from quire_engine.core import knobs
 from quire_engine.core.constraint import ConstraintKind, OutputConstraint
+from quire_engine.core.knobs import knob
 from quire_engine.server.protocol import Json, OpenAIError
 from quire_engine.server.tool_parsers import (
     NamedParser,
@@ -41,10 +43,20 @@ class ToolMode(enum.StrEnum):
 class ToolSettings:
     """The server's ``--enable-auto-tool-choice`` and ``--tool-call-parser``."""
 
-    enable_auto: bool = False
-    parser: ToolParserName | None = None
+    enable_auto: bool = knob(
+        False,
+        "allow tool_choice 'auto' (the default when a request has tools): the model's calls "
+        "are read out of its text by --tool-call-parser",
+        name="enable_auto_tool_choice",
+    )
+    parser: ToolParserName | None = knob(
+        None,
+        "the format of the model's tool calls, for tool_choice 'auto'",
+        name="tool_call_parser",
+    )
 
     def __post_init__(self) -> None:
+        knobs.check(self)
         if self.enable_auto and self.parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 

@@ -20,6 +20,9 @@ from quire_operator.meta import ObjectRef
 # A Kubernetes quantity (resource.Quantity's grammar, without the sign).
 _QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
 _URL = re.compile(r"^https?://\S+$")
+# The engine's own bounds (quire_engine.core.config; tests/test_config_agreement.py checks them).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two up to MAX_BLOCK_SIZE
+MAX_GPU_MEMORY_UTILIZATION = 1.0
 
 
 class ModelKind(enum.Enum):
@@ -109,11 +112,12 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.shutdown_timeout_s < 0 or self.pre_stop_delay_s < 0:
             raise ValueError("engine.shutdownTimeoutSeconds and preStopDelaySeconds must be >= 0")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"engine.blockSize must be a power of two, 8..128: {self.block_size}")
-        if not 0 < self.gpu_memory_utilization <= 0.98:
-            utilization = self.gpu_memory_utilization
-            raise ValueError(f"engine.gpuMemoryUtilization must be in (0, 0.98]: {utilization}")
+        if self.block_size not in BLOCK_SIZES:
+            sizes = f"{BLOCK_SIZES[0]}..{BLOCK_SIZES[-1]}"
+            raise ValueError(f"engine.blockSize must be a power of two, {sizes}: {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= MAX_GPU_MEMORY_UTILIZATION:
+            utilization, most = self.gpu_memory_utilization, MAX_GPU_MEMORY_UTILIZATION
+            raise ValueError(f"engine.gpuMemoryUtilization must be in (0, {most:g}]: {utilization}")
 
 
 @dataclass(frozen=True)

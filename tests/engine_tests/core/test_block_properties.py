@@ -81,7 +81,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         assert self.sched is not None
         out = self.sched.schedule()
-        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
         sampled = {
             s.seq_id: data.draw(st.integers(0, 2))
             for s, smp in zip(out.seqs, out.samples, strict=True)

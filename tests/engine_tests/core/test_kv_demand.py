@@ -105,7 +105,7 @@ def test_preempted_request_counts_in_full_again() -> None:
 def test_gauge_exports_demand_over_pool_size() -> None:
     sched = make_scheduler(POOL)
     metrics = ServerMetrics("m")
-    facts = EngineFacts(sched.config.max_model_len, sched.cache_config, 0.9, 0.0)
+    facts = EngineFacts(sched.max_model_len, sched.cache_config, 0.9, 0.0)
     recorder = StatsRecorder(metrics, sched.stats(), facts)
 
     def sample(name: str) -> float | None:

@@ -82,7 +82,7 @@ def test_max_model_len_beyond_the_model() -> None:
 )
 def test_bad_engine_config(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs)  # type: ignore[arg-type]
+        EngineConfig.from_flat(kwargs)
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,6 @@ def test_replicated_kv_heads_must_divide() -> None:
 
 def test_tensor_parallel_size_is_validated() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1; got 0"):
-        EngineConfig(tensor_parallel_size=0)
+        EngineConfig.from_flat(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer"):
-        EngineConfig(tensor_parallel_size=1.5)  # type: ignore[arg-type]
+        EngineConfig.from_flat(tensor_parallel_size=1.5)

@@ -185,11 +185,11 @@ def test_a_hung_worker_rank_turns_health_503_and_answers_everyone(
 
 def test_nodes_are_validated() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3, the ranks of all nodes\)"):
-        EngineConfig(tensor_parallel_size=3, nnodes=2)
+        EngineConfig.from_flat(tensor_parallel_size=3, nnodes=2)
     with pytest.raises(ValueError, match=r"node_rank must be in 0\.\.1; got 2"):
-        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
+        EngineConfig.from_flat(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ValueError, match=r"master_port must be in 1\.\.65535; got 0"):
-        EngineConfig(master_port=0)
+        EngineConfig.from_flat(master_port=0)
     with pytest.raises(ValueError, match="node_rank 1 serves no requests"):
         LLM("tiny", **SMALL, tensor_parallel_size=2, nnodes=2, node_rank=1)
 
@@ -212,5 +212,5 @@ def test_the_leader_listens_on_its_http_host() -> None:
 
     argv = ["serve", "--host", "127.0.0.9", "--master-addr", "elsewhere", "--nnodes", "2"]
     argv += ["--tensor-parallel-size", "2"]
-    config = settings_from_args(build_parser(argv).parse_args(argv)).engine
+    config = settings_from_args(build_parser(argv).parse_args(argv)).engine.parallel
     assert (config.master_addr, config.nnodes, config.node_rank) == ("127.0.0.9", 2, 0)

@@ -40,7 +40,7 @@ def test_no_arguments_serve_the_tiny_model_on_loopback_8000() -> None:
     assert settings.served_model_names == ("tiny",)
     assert settings.api_key is None and settings.max_waiting == 512  # finite by default
     assert settings.step_timeout == 60 and settings.shutdown_timeout == 30
-    assert settings.engine.model == "tiny" and settings.engine.enable_prefix_caching
+    assert settings.engine.model.model == "tiny" and settings.engine.cache.enable_prefix_caching
     assert settings_from_args(parse_serve("--step-timeout", "0")).step_timeout is None
 
 
@@ -67,9 +67,9 @@ def test_environment_sets_every_flag_and_the_command_line_wins(
     assert settings.api_key == "k" and settings.max_waiting == 7
     assert settings.shutdown_timeout == 45 and settings.step_timeout == 120
     assert settings.served_model_names == ("llama", "llama-8b")
-    assert not settings.engine.enable_prefix_caching
-    assert settings.engine.kv_cache_memory == 2 * 2**30
-    assert settings.engine.preemption_mode.value == "swap"
+    assert not settings.engine.cache.enable_prefix_caching
+    assert settings.engine.cache.kv_cache_memory == 2 * 2**30
+    assert settings.engine.scheduler.preemption_mode.value == "swap"
     assert args.log_format == "json"
     assert parse_serve("--enable-prefix-caching").enable_prefix_caching
 

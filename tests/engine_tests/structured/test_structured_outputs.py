@@ -149,7 +149,9 @@ def test_constraints_are_met_under_preemption(tight: RunningServer) -> None:
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
         "required": ["age", "name"],
     }
-    before = tight.metric("quire_preemptions_total", mode=tight.engine.config.preemption_mode.value)
+    before = tight.metric(
+        "quire_preemptions_total", mode=tight.engine.config.scheduler.preemption_mode.value
+    )
     finished = 0
     # Four samples of at least 40 tokens each do not fit in the pool together.
     long_list = {"type": "array", "items": {"type": "integer"}, "minItems": 20}
@@ -171,7 +173,9 @@ def test_constraints_are_met_under_preemption(tight: RunningServer) -> None:
         for reason, content in chat(tight, {"structured_outputs": {"choice": choices}}, stream):
             assert reason == "stop" and content in choices
     assert finished >= 4
-    after = tight.metric("quire_preemptions_total", mode=tight.engine.config.preemption_mode.value)
+    after = tight.metric(
+        "quire_preemptions_total", mode=tight.engine.config.scheduler.preemption_mode.value
+    )
     assert after > before
 
 
