@@ -16,6 +16,7 @@ SelfSubjectAccessReview) for what it must and must not do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import subprocess
@@ -331,7 +332,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
             name = ROUTED if kind == "inferencepool" else f"{ROUTED}-epp"
             wait_for(
                 f"the operator to delete {kind} {name}",
-                lambda kind=kind, name=name: cluster.kubectl("get", kind, name, "-n", workload),
+                functools.partial(cluster.kubectl, "get", kind, name, "-n", workload),
                 lambda got: got.returncode != 0 and "NotFound" in got.stderr,
                 timeout_s=30,
             )
