@@ -34,6 +34,7 @@ import yaml
 from quire_operator.config import GIE_VERSION
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
+from tests.operator_tests.api import condition
 from tests.operator_tests.gie import POOL_CRD, pool_crd_removed, pool_crd_served
 from tests.operator_tests.rbac import NAMESPACED_RULES, peering_rule
 
@@ -203,10 +204,6 @@ def apply_routed_example(cluster: ClusterHandle, namespace: str) -> None:
         check=False,
     )  # fmt: skip
     assert applied.returncode == 0, applied.stderr
-
-
-def condition(obj: Any, kind: str) -> dict[str, Any]:
-    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
 def wait_ready(cluster: ClusterHandle, namespace: str, name: str) -> Any:
