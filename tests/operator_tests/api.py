@@ -141,7 +141,11 @@ def create_example(cluster: ClusterHandle, namespace: str) -> Any:
 def events(cluster: ClusterHandle, namespace: str, name: str = NAME) -> list[tuple[str, str]]:
     """(type, reason) of the operator's Events on the InferenceService, sorted (timestamps have
     a one-second grain, so order within a second is not recorded)."""
-    found = cluster.core.list_namespaced_event(
-        namespace, field_selector=f"involvedObject.kind={meta.KIND},involvedObject.name={name}"
-    ).items
-    return sorted((e.type, e.reason) for e in found if e.source.component == meta.FIELD_MANAGER)
+    found = cluster.json(
+        cluster.core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.kind={meta.KIND},involvedObject.name={name}"
+        )
+    )["items"]
+    return sorted(
+        (e["type"], e["reason"]) for e in found if e["source"]["component"] == meta.FIELD_MANAGER
+    )

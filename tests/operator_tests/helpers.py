@@ -71,3 +71,8 @@ def inference_service(
     }
     defaulted: dict[str, Any] = with_defaults(body, root_schema())
     return defaulted
+
+
+def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    """A built status's conditions by type: (status, reason, message)."""
+    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in status["conditions"]}

@@ -166,16 +166,20 @@ class GarbageCollectorProbe:
             "metadata": {"name": "probe"},
             "spec": {"model": {"uri": "tiny"}},
         }
-        owner = cluster.custom.create_namespaced_custom_object(
-            "quire.dev", "v1alpha1", self.namespace, "inferenceservices", body
+        owner = cluster.json(
+            cluster.custom.create_namespaced_custom_object(
+                "quire.dev", "v1alpha1", self.namespace, "inferenceservices", body
+            )
         )
-        reference = {
-            "apiVersion": "quire.dev/v1alpha1",
-            "kind": "InferenceService",
-            "name": "probe",
-            "uid": owner["metadata"]["uid"],
-        }
-        dependent = {"metadata": {"name": "probe", "ownerReferences": [reference]}}
+        reference = client.V1OwnerReference(
+            api_version="quire.dev/v1alpha1",
+            kind="InferenceService",
+            name="probe",
+            uid=owner["metadata"]["uid"],
+        )
+        dependent = client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(name="probe", owner_references=[reference])
+        )
         cluster.core.create_namespaced_config_map(self.namespace, dependent)
         cluster.custom.delete_namespaced_custom_object(
             "quire.dev", "v1alpha1", self.namespace, "inferenceservices", "probe"
@@ -183,8 +187,10 @@ class GarbageCollectorProbe:
         self._collected = False
 
     def _dependent_gone(self) -> bool:
-        names = self._cluster.core.list_namespaced_config_map(self.namespace).items
-        return all(item.metadata.name != "probe" for item in names)
+        listed = self._cluster.core.list_namespaced_config_map(self.namespace)
+        return all(
+            item["metadata"]["name"] != "probe" for item in self._cluster.json(listed)["items"]
+        )
 
     def wait(self, timeout_s: float = 90) -> None:
         if not self._collected:

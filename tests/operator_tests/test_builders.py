@@ -35,7 +35,7 @@ LABELS = {
     "app.kubernetes.io/managed-by": "quire-operator",
 }
 SELECTOR = {"app.kubernetes.io/name": "quire-engine", "app.kubernetes.io/instance": "tiny"}
-METADATA = {
+METADATA: dict[str, Any] = {
     "name": "tiny",
     "namespace": "ml",
     "labels": LABELS,
@@ -407,7 +407,9 @@ def test_model_uris_parse_to_their_kinds() -> None:
 
 
 def test_placement_is_passed_through() -> None:
-    affinity = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    affinity: dict[str, dict[str, list[object]]] = {
+        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}
+    }
     placed = isvc(
         nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
         affinity=affinity,

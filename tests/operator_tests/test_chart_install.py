@@ -16,6 +16,7 @@ SelfSubjectAccessReview) for what it must and must not do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ import yaml
 from quire_operator.config import GIE_VERSION
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.process import ManagedProcess, free_port
+from tests.operator_tests.api import condition
 from tests.operator_tests.gie import POOL_CRD, pool_crd_removed, pool_crd_served
 from tests.operator_tests.rbac import NAMESPACED_RULES, peering_rule
 
@@ -204,10 +206,6 @@ def apply_routed_example(cluster: ClusterHandle, namespace: str) -> None:
     assert applied.returncode == 0, applied.stderr
 
 
-def condition(obj: Any, kind: str) -> dict[str, Any]:
-    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
-
-
 def wait_ready(cluster: ClusterHandle, namespace: str, name: str) -> Any:
     return wait_for(
         f"InferenceService {namespace}/{name} to be Ready",
@@ -331,7 +329,7 @@ def test_install_reconcile_upgrade_uninstall_cluster_wide(
             name = ROUTED if kind == "inferencepool" else f"{ROUTED}-epp"
             wait_for(
                 f"the operator to delete {kind} {name}",
-                lambda kind=kind, name=name: cluster.kubectl("get", kind, name, "-n", workload),
+                functools.partial(cluster.kubectl, "get", kind, name, "-n", workload),
                 lambda got: got.returncode != 0 and "NotFound" in got.stderr,
                 timeout_s=30,
             )

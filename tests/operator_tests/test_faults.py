@@ -75,7 +75,7 @@ def refused_creates(
         ],
     }
     admission = client.AdmissionregistrationV1Api(cluster.api)
-    admission.create_validating_webhook_configuration(body)
+    admission.create_validating_webhook_configuration(body)  # type: ignore[arg-type]  # dict body: the client validates it
     try:
         yield
     finally:
@@ -89,7 +89,7 @@ def wait_refusing(cluster: ClusterHandle, namespace: str) -> None:
         body = {"metadata": {"name": f"probe-{uuid.uuid4().hex[:6]}"},
                 "spec": {"ports": [{"port": 80}]}}  # fmt: skip
         try:
-            cluster.core.create_namespaced_service(namespace, body, dry_run="All")
+            cluster.core.create_namespaced_service(namespace, body, dry_run="All")  # type: ignore[arg-type]  # dict body: the client validates it
         except ApiException as err:
             return int(err.status)
         return 201
@@ -235,8 +235,10 @@ def test_a_burst_of_inference_services_reconciles_in_bounded_time(
     created_s = time.monotonic() - started
 
     def settled() -> int:
-        items = cluster.custom.list_namespaced_custom_object(
-            meta.GROUP, meta.VERSION, namespace, meta.PLURAL
+        items = cluster.json(
+            cluster.custom.list_namespaced_custom_object(
+                meta.GROUP, meta.VERSION, namespace, meta.PLURAL
+            )
         )["items"]
         return sum(
             1

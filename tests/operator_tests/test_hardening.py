@@ -46,7 +46,7 @@ def test_a_foreign_object_is_left_alone_reported_and_waited_out(
         "metadata": {"name": NAME, "labels": {"app": "someone-elses"}},
         "spec": {"selector": {"app": "someone-elses"}, "ports": [{"port": 80}]},
     }
-    before = cluster.json(cluster.core.create_namespaced_service(namespace, foreign))
+    before = cluster.json(cluster.core.create_namespaced_service(namespace, foreign))  # type: ignore[arg-type]  # dict body: the client validates it
     process = operators.start()
     create_isvc(cluster, namespace, load_example())
 
@@ -102,7 +102,7 @@ def test_a_look_alike_deployment_is_not_adopted(
             },
         },
     }
-    cluster.apps.create_namespaced_deployment(namespace, orphan)
+    cluster.apps.create_namespaced_deployment(namespace, orphan)  # type: ignore[arg-type]  # dict body: the client validates it
     operators.start()
     create_isvc(cluster, namespace, load_example())
     wait_condition(cluster, namespace, "Degraded", reason="NotOwned")
@@ -121,9 +121,10 @@ def test_engine_pods_meet_the_restricted_pod_security_standard(
     # The namespace really enforces it: a pod without the restricted settings is refused.
     with pytest.raises(ApiException) as refused:
         bare = {"metadata": {"name": "bare"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
-        cluster.core.create_namespaced_pod(namespace, bare)
+        cluster.core.create_namespaced_pod(namespace, bare)  # type: ignore[arg-type]  # dict body: the client validates it
     assert refused.value.status == 403
-    assert 'violates PodSecurity "restricted:latest"' in json.loads(refused.value.body)["message"]
+    refusal = json.loads(str(refused.value.body))
+    assert 'violates PodSecurity "restricted:latest"' in refusal["message"]
 
     operators.start()
     spec: dict[str, Any] = {
@@ -168,7 +169,7 @@ def test_an_apply_naming_a_uid_never_writes_a_replacement(
     # made their own (uid B). The apply names A, so the API server refuses it.
     isvc = parse(inference_service(load_example()["spec"], name=NAME, namespace=namespace))
     theirs = {"metadata": {"name": NAME}, "spec": {"ports": [{"port": 80}]}}
-    replacement = cluster.json(cluster.core.create_namespaced_service(namespace, theirs))
+    replacement = cluster.json(cluster.core.create_namespaced_service(namespace, theirs))  # type: ignore[arg-type]  # dict body: the client validates it
     children = Children(cluster.api)
     with pytest.raises(ApiException) as refused:
         children.apply(build_service(isvc), uid="0b5c8a5e-0000-4000-8000-000000000000")

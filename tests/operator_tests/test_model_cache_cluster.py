@@ -71,7 +71,7 @@ def volume(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[t
             "hostPath": {"path": str(directory), "type": "Directory"},
         },
     }
-    cluster.core.create_persistent_volume(body)
+    cluster.core.create_persistent_volume(body)  # type: ignore[arg-type]  # dict body: the client validates it
     yield storage_class, directory
     cluster.core.delete_persistent_volume(storage_class)
 

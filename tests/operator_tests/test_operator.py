@@ -195,8 +195,8 @@ def test_hpa_owns_replicas_when_autoscaling_and_the_spec_otherwise(
     assert "f:replicas" in operator_apply_fields(live)["f:spec"]
 
     # Someone scales by hand: the operator takes the field back.
-    scaled = cluster.kubectl("scale", "deployment", NAME, "-n", namespace, "--replicas=5")
-    assert scaled.returncode == 0, scaled.stderr
+    by_hand = cluster.kubectl("scale", "deployment", NAME, "-n", namespace, "--replicas=5")
+    assert by_hand.returncode == 0, by_hand.stderr
     wait_for(
         "replicas back at 2",
         lambda: deployment(cluster, namespace),
@@ -336,9 +336,9 @@ def test_a_missing_secret_degrades_with_the_kubelets_words_and_no_secret_is_read
 
     # The kubelet's report when the engine container restarts and the Secret is gone (kwok
     # plays a kubelet that does not check Secrets, so the test writes it as the kubelet would).
-    (pod,) = cluster.core.list_namespaced_pod(
-        namespace, label_selector=meta.selector_string(NAME)
-    ).items
+    (pod,) = cluster.json(
+        cluster.core.list_namespaced_pod(namespace, label_selector=meta.selector_string(NAME))
+    )["items"]
     message = 'secret "llm-key" not found'
     waiting = {"reason": "CreateContainerConfigError", "message": message}
     kubelet_status = {
@@ -347,14 +347,14 @@ def test_a_missing_secret_degrades_with_the_kubelets_words_and_no_secret_is_read
             "conditions": [{"type": "Ready", "status": "False"},
                            {"type": "ContainersReady", "status": "False"}],
             "containerStatuses": [
-                {"name": "engine", "image": pod.spec.containers[0].image, "imageID": "",
+                {"name": "engine", "image": pod["spec"]["containers"][0]["image"], "imageID": "",
                  "ready": False, "restartCount": 1, "state": {"waiting": waiting}},
             ],
         }
     }  # fmt: skip
-    cluster.core.patch_namespaced_pod_status(pod.metadata.name, namespace, kubelet_status)
+    cluster.core.patch_namespaced_pod_status(pod["metadata"]["name"], namespace, kubelet_status)
     isvc = wait_condition(cluster, namespace, "Degraded", reason="CreateContainerConfigError")
-    where = f"pod {pod.metadata.name}, container engine"
+    where = f"pod {pod['metadata']['name']}, container engine"
     assert condition(isvc, "Degraded")["message"] == f"{where}: {message}"
     assert condition(isvc, "Ready")["reason"] == "NoReplicaReady"
 
@@ -408,8 +408,10 @@ def test_two_operators_do_not_fight(
     # starts a peered operator paused and logs nothing until it resumes).
     wait_for(
         "both operators in the peering object",
-        lambda: cluster.custom.get_namespaced_custom_object(
-            "kopf.dev", "v1", namespace, "kopfpeerings", "quire-operator"
+        lambda: cluster.json(
+            cluster.custom.get_namespaced_custom_object(
+                "kopf.dev", "v1", namespace, "kopfpeerings", "quire-operator"
+            )
         ).get("status", {}),
         lambda peers: sorted(p["priority"] for p in peers.values()) == [10, 20],
         timeout_s=30,
@@ -473,7 +475,8 @@ def test_deleting_the_inference_service_garbage_collects_everything(
             "pdbs": client.PolicyV1Api(cluster.api).list_namespaced_pod_disruption_budget,
         }
         counts = {
-            kind: len(ls(namespace, label_selector=selector).items) for kind, ls in lists.items()
+            kind: len(cluster.json(ls(namespace, label_selector=selector))["items"])
+            for kind, ls in lists.items()
         }
         return {kind: count for kind, count in counts.items() if count}
 

@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from quire_operator import meta
 from quire_operator.builders.endpoint_picker import EPP_APP, routing_children
 from quire_operator.config import OperatorConfig
+from quire_operator.kinds import Kind
 from quire_operator.meta import ChildKey
 from quire_operator.spec.parsing import parse
 from tests.cluster.client import ClusterHandle, wait_for
@@ -49,8 +50,8 @@ from tests.operator_tests.operator_process import GarbageCollectorProbe, Operato
 pytestmark = pytest.mark.cluster
 
 PICKER = f"{NAME}-epp"
-POOL_KEY = ChildKey("InferencePool", NAME)
-CONFIG_KEY = ChildKey("ConfigMap", PICKER)
+POOL_KEY = ChildKey(Kind.INFERENCE_POOL, NAME)
+CONFIG_KEY = ChildKey(Kind.CONFIG_MAP, PICKER)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,18 +107,21 @@ def test_routing_on_makes_the_pool_and_its_picker(
     # The pool selects exactly the engine pods, and the picker's pod is not one of them.
     pool = read_child(cluster, namespace, POOL_KEY)
     selector = ",".join(f"{k}={v}" for k, v in pool["spec"]["selector"]["matchLabels"].items())
-    pods = cluster.core.list_namespaced_pod(namespace, label_selector=selector).items
-    engine = cluster.core.list_namespaced_pod(
-        namespace, label_selector=meta.selector_string(NAME)
-    ).items
-    assert sorted(p.metadata.name for p in pods) == sorted(p.metadata.name for p in engine)
+
+    def pods_of(label_selector: str) -> list[Any]:
+        listed = cluster.core.list_namespaced_pod(namespace, label_selector=label_selector)
+        pods: list[Any] = cluster.json(listed)["items"]
+        return pods
+
+    pods = pods_of(selector)
+    engine = pods_of(meta.selector_string(NAME))
+    names = sorted(p["metadata"]["name"] for p in pods)
+    assert names == sorted(p["metadata"]["name"] for p in engine)
     assert len(pods) == 1
-    (picker,) = cluster.core.list_namespaced_pod(
-        namespace, label_selector=meta.selector_string(NAME, EPP_APP)
-    ).items
-    assert picker.metadata.name.startswith(f"{PICKER}-")
-    assert picker.metadata.name not in {p.metadata.name for p in pods}
-    assert pods[0].metadata.labels["inference.networking.k8s.io/engine-type"] == "vllm"
+    (picker,) = pods_of(meta.selector_string(NAME, EPP_APP))
+    assert picker["metadata"]["name"].startswith(f"{PICKER}-")
+    assert picker["metadata"]["name"] not in {p["metadata"]["name"] for p in pods}
+    assert pods[0]["metadata"]["labels"]["inference.networking.k8s.io/engine-type"] == "vllm"
 
     status = isvc["status"]
     assert status["routing"] == {"inferencePool": NAME, "endpointPicker": PICKER, "parents": []}
@@ -140,7 +144,7 @@ def test_weights_and_failure_mode_changes_are_followed(
     cluster: ClusterHandle, namespace: str, operators: Operators
 ) -> None:
     start_routed(cluster, namespace, operators)
-    before = read_child(cluster, namespace, ChildKey("Deployment", PICKER))
+    before = read_child(cluster, namespace, ChildKey(Kind.DEPLOYMENT, PICKER))
 
     weights = {"queue": 1, "kvCacheUtilization": 0, "prefixCache": 5}
     patch_spec(
@@ -158,7 +162,7 @@ def test_weights_and_failure_mode_changes_are_followed(
     pool = read_child(cluster, namespace, POOL_KEY)
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
     # The picker reads its config at start: its pod template moved, so it restarts with it.
-    after = read_child(cluster, namespace, ChildKey("Deployment", PICKER))
+    after = read_child(cluster, namespace, ChildKey(Kind.DEPLOYMENT, PICKER))
     annotation = "quire.dev/endpoint-picker-config"
     old = before["spec"]["template"]["metadata"]["annotations"][annotation]
     assert after["spec"]["template"]["metadata"]["annotations"][annotation] != old
@@ -208,7 +212,7 @@ def test_a_foreign_object_of_a_picker_name_is_not_adopted(
     # Someone's ConfigMap already has the picker's name, labelled like the operator's own.
     labels = {meta.MANAGED_BY_LABEL: meta.FIELD_MANAGER, meta.INSTANCE_LABEL: NAME}
     foreign = {"metadata": {"name": PICKER, "labels": labels}, "data": {"config.yaml": "theirs"}}
-    before = cluster.json(cluster.core.create_namespaced_config_map(namespace, foreign))
+    before = cluster.json(cluster.core.create_namespaced_config_map(namespace, foreign))  # type: ignore[arg-type]  # dict body: the client validates it
     operators.start()
     create_isvc(cluster, namespace, routed_example())
     isvc = wait_condition(cluster, namespace, "Degraded", reason="NotOwned")
@@ -222,7 +226,7 @@ def test_a_foreign_object_of_a_picker_name_is_not_adopted(
     assert "ownerReferences" not in after["metadata"]
     # Nothing of the routing (nor anything else) was applied meanwhile.
     assert read_child(cluster, namespace, POOL_KEY) is None
-    assert read_child(cluster, namespace, ChildKey("Deployment", PICKER)) is None
+    assert read_child(cluster, namespace, ChildKey(Kind.DEPLOYMENT, PICKER)) is None
 
     cluster.core.delete_namespaced_config_map(PICKER, namespace)
     isvc = routing_ready(cluster, namespace)
@@ -333,7 +337,7 @@ def test_routing_without_the_crd_degrades_until_it_is_installed(
     assert "install the CRD" in condition(isvc, "Degraded")["message"]
     # The engine serves through its Service meanwhile; nothing of the routing was made.
     ready_engine = wait_condition(cluster, namespace, "Ready", status="True", timeout_s=60)
-    assert read_child(cluster, namespace, ChildKey("Deployment", PICKER)) is None
+    assert read_child(cluster, namespace, ChildKey(Kind.DEPLOYMENT, PICKER)) is None
     assert ("Warning", "InferencePoolCRDMissing") in events(cluster, namespace)
 
     # The CRD arrives: the retries converge without a restart or a spec change.

@@ -72,8 +72,9 @@ def test_one_node_keeps_the_deployment_and_its_selectors() -> None:
 
 
 def test_several_nodes_make_a_leader_worker_set_of_the_deployments_pod() -> None:
-    spec = {"resources": {"gpus": 2}, "parallelism": {"nodes": 2}, "replicas": 3}
-    service = isvc(**spec, autoscaling={"enabled": False})
+    service = isvc(
+        resources={"gpus": 2}, parallelism={"nodes": 2}, replicas=3, autoscaling={"enabled": False}
+    )
     pod = build_deployment(service, CONFIG)["spec"]["template"]
     leader = copy.deepcopy(pod)
     (engine,) = leader["spec"]["containers"]

@@ -71,7 +71,9 @@ def test_backoff_doubles_up_to_the_cap() -> None:
     "failure",
     [
         *(ApiException(status=status, reason="boom") for status in (500, 503, 409, 429, None)),
-        urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused"),
+        urllib3.exceptions.MaxRetryError(
+            urllib3.HTTPConnectionPool("127.0.0.1"), "/apis", ConnectionRefusedError("refused")
+        ),
         ConnectionResetError("reset by peer"),
     ],
     ids=["500", "503", "409", "429", "timeout", "refused", "reset"],

@@ -27,6 +27,7 @@ from quire_operator.builders.endpoint_picker import (
 )
 from quire_operator.builders.inference_pool import build_inference_pool
 from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
+from quire_operator.kinds import Kind
 from quire_operator.meta import ChildKey
 from quire_operator.spec.parsing import parse
 from quire_operator.spec.view import FailureMode, InferenceService, RoutingMode, ScorerWeights
@@ -106,13 +107,13 @@ def test_routing_is_off_by_default_and_builds_nothing() -> None:
     assert build_inference_pool(isvc) is None
     # Every routing object is named, so the reconciler deletes those it owns.
     assert routing_children(isvc, OperatorConfig()) == [
-        (ChildKey("ServiceAccount", "tiny-epp"), None),
-        (ChildKey("Role", "tiny-epp"), None),
-        (ChildKey("RoleBinding", "tiny-epp"), None),
-        (ChildKey("ConfigMap", "tiny-epp"), None),
-        (ChildKey("Deployment", "tiny-epp"), None),
-        (ChildKey("Service", "tiny-epp"), None),
-        (ChildKey("InferencePool", "tiny"), None),
+        (ChildKey(Kind.SERVICE_ACCOUNT, "tiny-epp"), None),
+        (ChildKey(Kind.ROLE, "tiny-epp"), None),
+        (ChildKey(Kind.ROLE_BINDING, "tiny-epp"), None),
+        (ChildKey(Kind.CONFIG_MAP, "tiny-epp"), None),
+        (ChildKey(Kind.DEPLOYMENT, "tiny-epp"), None),
+        (ChildKey(Kind.SERVICE, "tiny-epp"), None),
+        (ChildKey(Kind.INFERENCE_POOL, "tiny"), None),
     ]
 
 
@@ -394,13 +395,13 @@ def test_every_plugin_a_profile_names_is_declared() -> None:
 def test_routing_objects_come_in_apply_order_with_the_pool_last() -> None:
     children = routing_children(routed(), OperatorConfig())
     assert [key for key, _ in children] == [
-        ChildKey("ServiceAccount", "tiny-epp"),
-        ChildKey("Role", "tiny-epp"),
-        ChildKey("RoleBinding", "tiny-epp"),
-        ChildKey("ConfigMap", "tiny-epp"),
-        ChildKey("Deployment", "tiny-epp"),
-        ChildKey("Service", "tiny-epp"),
-        ChildKey("InferencePool", "tiny"),
+        ChildKey(Kind.SERVICE_ACCOUNT, "tiny-epp"),
+        ChildKey(Kind.ROLE, "tiny-epp"),
+        ChildKey(Kind.ROLE_BINDING, "tiny-epp"),
+        ChildKey(Kind.CONFIG_MAP, "tiny-epp"),
+        ChildKey(Kind.DEPLOYMENT, "tiny-epp"),
+        ChildKey(Kind.SERVICE, "tiny-epp"),
+        ChildKey(Kind.INFERENCE_POOL, "tiny"),
     ]
     for key, obj in children:
         assert obj is not None

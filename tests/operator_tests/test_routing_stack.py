@@ -154,12 +154,18 @@ class Pool:
 
     def start_epp(self, name: str) -> PodProcess:
         self.cluster.core.create_namespaced_pod(
-            self.namespace, epp_pod(name, self.name, self.namespace)
+            self.namespace,
+            epp_pod(name, self.name, self.namespace),  # type: ignore[arg-type]  # dict body: the client validates it
         )
+
+        def serving() -> PodProcess | None:
+            found = next((p for p in self.runner.epps() if p.pod == name), None)
+            if found is None:
+                alive(self.runner)  # raises once a process exited
+            return found
+
         return wait_until(
-            lambda: (
-                next((p for p in self.runner.epps() if p.pod == name), None) or alive(self.runner)
-            ),
+            serving,
             timeout=TIMEOUT_S,
             interval=0.2,
             message=lambda: f"EPP pod {name} serving\n{self.runner.errors}\n{self.runner.report()}",
@@ -213,25 +219,30 @@ def alive(runner: PodRunner) -> bool:
 def pool(cluster: ClusterHandle, routing: RoutingStack) -> Iterator[Pool]:
     namespace = f"t-{uuid.uuid4().hex[:10]}"
     core = cluster.core
-    core.create_namespace({"metadata": {"name": namespace}})
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
     try:
-        core.create_namespaced_service_account(namespace, {"metadata": {"name": "epp"}})
+        core.create_namespaced_service_account(
+            namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="epp"))
+        )
         authz = client.RbacAuthorizationV1Api(cluster.api)
-        authz.create_namespaced_role(namespace, {"metadata": {"name": "epp"}, "rules": EPP_RULES})
-        authz.create_namespaced_role_binding(namespace, {
+        authz.create_namespaced_role(namespace, {"metadata": {"name": "epp"}, "rules": EPP_RULES})  # type: ignore[arg-type]  # dict body: the client validates it
+        authz.create_namespaced_role_binding(namespace, {  # type: ignore[arg-type]  # dict body: the client validates it
             "metadata": {"name": "epp"},
             "subjects": [{"kind": "ServiceAccount", "name": "epp", "namespace": namespace}],
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "epp"},
         })  # fmt: skip
         core.create_namespaced_config_map(
             namespace,
-            {"metadata": {"name": "epp-config"}, "data": {"default-plugins.yaml": EPP_CONFIG}},
+            client.V1ConfigMap(
+                metadata=client.V1ObjectMeta(name="epp-config"),
+                data={"default-plugins.yaml": EPP_CONFIG},
+            ),
         )
         cluster.custom.create_namespaced_custom_object(
             POOL_GROUP, POOL_VERSION, namespace, POOL_PLURAL, inference_pool("tiny")
         )
         for index in range(2):
-            core.create_namespaced_pod(namespace, engine_pod(f"engine-{index}"))
+            core.create_namespaced_pod(namespace, engine_pod(f"engine-{index}"))  # type: ignore[arg-type]  # dict body: the client validates it
         runner = routing.pod_runner(namespace, "stack=routing")
         wait_until(
             lambda: len(runner.engines()) == 2 or alive(runner),
@@ -250,8 +261,10 @@ def pool(cluster: ClusterHandle, routing: RoutingStack) -> Iterator[Pool]:
 def test_the_gie_crds_install_and_an_inference_pool_is_accepted(
     cluster: ClusterHandle, routing: RoutingStack, namespace: str
 ) -> None:
-    created = cluster.custom.create_namespaced_custom_object(
-        POOL_GROUP, POOL_VERSION, namespace, POOL_PLURAL, inference_pool("pool")
+    created = cluster.json(
+        cluster.custom.create_namespaced_custom_object(
+            POOL_GROUP, POOL_VERSION, namespace, POOL_PLURAL, inference_pool("pool")
+        )
     )
     stored = created["spec"]
     assert stored["targetPorts"] == [{"number": 8000}]
@@ -275,7 +288,7 @@ def test_kwok_pods_get_unique_loopback_ips_a_process_can_bind(
     pods = [engine_pod(f"p-{index}") for index in range(3)]
     for pod in pods:
         pod["metadata"]["labels"] = {"app": "loopback"}  # not run by any pod runner
-        cluster.core.create_namespaced_pod(namespace, pod)
+        cluster.core.create_namespaced_pod(namespace, pod)  # type: ignore[arg-type]  # dict body: the client validates it
 
     def ips() -> list[str]:
         listed = cluster.json(

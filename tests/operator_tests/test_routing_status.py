@@ -11,6 +11,7 @@ from typing import Any
 from quire_operator.observed.views import parse_deployment, parse_pod, parse_pool_parents
 from quire_operator.status.conditions import Observation, Problem, RoutingObservation, build_status
 from quire_operator.status.events import Transition, transitions
+from tests.operator_tests.helpers import conditions
 
 URL = "http://llm.ml.svc.cluster.local:8000"
 SELECTOR = "app.kubernetes.io/instance=llm,app.kubernetes.io/name=quire-engine"
@@ -75,10 +76,6 @@ def observe(
         parents=parse_pool_parents(inference_pool) if inference_pool is not None else None,
     )
     return Observation(1, URL, SELECTOR, False, problem, parse_deployment(ENGINE), [], routing)
-
-
-def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
-    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in status["conditions"]}
 
 
 def test_ready_picker_and_an_accepting_gateway() -> None:

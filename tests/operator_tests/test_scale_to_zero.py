@@ -8,6 +8,7 @@ no Endpoint Picker process: holding requests from zero end to end is not proven 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from quire_operator.builders.autoscaling import build_scaled_object
 from quire_operator.builders.endpoint_picker import routing_children
 from quire_operator.config import OperatorConfig
+from quire_operator.kinds import Kind
 from quire_operator.meta import ChildKey
 from quire_operator.spec.parsing import parse
 from tests.cluster.build import KEDA_VERSION
@@ -147,15 +149,15 @@ def test_operator_applies_the_scaled_object_and_the_hold_queue_as_built(
     assert live["spec"]["triggers"][-1]["name"] == "held-requests"
 
     picker = dict(routing_children(isvc, config))
-    for key in (ChildKey("ConfigMap", f"{NAME}-epp"), ChildKey("Deployment", f"{NAME}-epp")):
+    for key in (ChildKey(Kind.CONFIG_MAP, f"{NAME}-epp"), ChildKey(Kind.DEPLOYMENT, f"{NAME}-epp")):
         found = wait_for(
             str(key),
-            lambda key=key: read_child(cluster, namespace, key),
+            functools.partial(read_child, cluster, namespace, key),
             lambda obj: obj is not None,
             timeout_s=60,
         )
         assert_applied(found, picker[key], str(key))
-    config_text = read_child(cluster, namespace, ChildKey("ConfigMap", f"{NAME}-epp"))
+    config_text = read_child(cluster, namespace, ChildKey(Kind.CONFIG_MAP, f"{NAME}-epp"))
     assert (
         "flowControl:\n  maxRequests: 20\n  defaultRequestTTL: 600s\n"
         in (config_text["data"]["config.yaml"])
@@ -210,10 +212,14 @@ def test_scaling_to_and_from_zero_shows_in_the_status_and_events(
             "scale", "deployment", NAME, "-n", namespace, f"--replicas={replicas}"
         )
         assert scaled.returncode == 0, scaled.stderr
+
+        def reached(obj: dict[str, Any], wanted: tuple[str, str] = wanted) -> bool:
+            return zero_condition(obj) == wanted
+
         obj = wait_for(
             f"ScaledToZero {wanted}",
             lambda: get_isvc(cluster, namespace),
-            lambda obj, wanted=wanted: zero_condition(obj) == wanted,
+            reached,
             timeout_s=60,
         )
         assert obj["status"]["desiredReplicas"] == replicas

@@ -18,6 +18,7 @@ from quire_operator.observed.views import (
     parse_pod,
 )
 from quire_operator.status.conditions import Observation, Problem, build_status
+from tests.operator_tests.helpers import conditions
 
 URL = "http://llm.ml.svc.cluster.local:8000"
 SELECTOR = "app.kubernetes.io/instance=llm,app.kubernetes.io/name=quire-engine"
@@ -42,10 +43,6 @@ def observe(
     return Observation(
         3, URL, SELECTOR, api_key, problem, view, [parse_pod(pod) for pod in pods or []]
     )
-
-
-def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
-    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in status["conditions"]}
 
 
 def test_rolled_out_and_ready() -> None:
