@@ -5,7 +5,8 @@ a ``SchedulerOutput``, performs its block moves (swap-outs, swap-ins, then copy-
 that order, before any K/V of the step is written), packs the step's new tokens of every sequence
 into one row, runs the forward pass with paged attention and returns the logits of the sequences
 that sample this step. On CPU a pure decode step of a few sequences of a Llama-shaped model runs
-as one native call instead of the model's modules (``cpu/decoder``), on the same pools.
+as one native call instead of the model's modules (``cpu/decoder``), on the same pools; a
+``forward_observer`` (instrumentation: ``engine/profile``) is told the CPU time of those steps.
 
 Pool sizing (``size_pool``): an explicit ``num_blocks`` or ``kv_cache_memory`` wins; otherwise on
 CUDA the pool gets ``total_memory * gpu_memory_utilization`` minus the weights and the activation
