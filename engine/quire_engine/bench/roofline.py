@@ -5,9 +5,9 @@ few sequences does little else), read the K/V of every context its sequences att
 the step's multiply-adds; no engine does either faster than the machine streams memory and
 multiplies matrices. So:
 
-* ``StepLog.attach(engine)`` records, for every step the engine runs, what it computes, read
-  from the scheduler's output: new tokens, sampled rows (LM head rows), context tokens whose
-  K/V attention reads, and causal query-key pairs.
+* ``StepLog.attach(engine)`` records, for every step the engine runs (an observer of its steps,
+  ``engine/observer``), what it computes, read from the scheduler's output: new tokens, sampled
+  rows (LM head rows), context tokens whose K/V attention reads, and causal query-key pairs.
 * ``ModelCost.of(model, ...)`` is what one token, row, context token and pair cost in bytes and
   FLOPs for that model (linear layers, LM head, K/V of every layer).
 * ``Rates.measure`` times this machine's single-thread read bandwidth (``torch.sum`` over a
@@ -33,7 +33,7 @@ timing of asynchronous kernels would be wrong).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
+from quire_engine.core.scheduler import SchedulerOutput
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.engine.llm_engine import LLMEngine
+from quire_engine.engine.observer import StepRecord
 from quire_engine.model.runner import CacheShape
 
 
@@ -68,8 +69,8 @@ class Step:
 
 
 class StepLog:
-    """The steps of an engine run, recorded while ``attach`` lasts (one ``Step`` per model
-    runner call; the recording costs a few microseconds per step), and the engine's model cost
+    """The steps of an engine run, recorded while ``attach`` lasts (one ``Step`` per step that
+    ran the model; the recording costs a few microseconds per step), and the engine's model cost
     (set by ``attach``)."""
 
     def __init__(self) -> None:
@@ -78,21 +79,19 @@ class StepLog:
 
     @contextmanager
     def attach(self, engine: LLMEngine) -> Iterator[None]:
+        """Record ``engine``'s steps while the context lasts (an observer of its steps)."""
         runner = engine.runner
         self.cost = ModelCost.of(runner.model, runner.shape)
-        execute = runner.execute
-
-        def recorded(
-            out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
-        ) -> torch.Tensor:
-            self.steps.append(Step.of(out))
-            return execute(out, prompt_spans)
-
-        runner.execute = recorded  # type: ignore[method-assign]
+        engine.add_observer(self)
         try:
             yield
         finally:
-            del runner.execute
+            engine.remove_observer(self)
+
+    def on_step(self, step: StepRecord) -> None:
+        """The engine's observer call: a step that ran the model is one ``Step``."""
+        if not step.schedule.is_empty:
+            self.steps.append(Step.of(step.schedule))
 
 
 @dataclass(frozen=True, slots=True)

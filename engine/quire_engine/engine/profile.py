@@ -1,9 +1,12 @@
 """Where an engine's step time goes: ``--profile`` of the benches.
 
-``StepProfile.attach(engine)`` wraps, for as long as the context lasts, ``engine.step`` (the
-whole step), the model's forward, every ``nn.Linear`` of the model (the matmuls, LM head
-included), the paged attention call (K/V write + attention) and the runner's native decode step,
-each timed in thread CPU time. The split it reports, in seconds and as shares of the step time:
+``StepProfile.attach(engine)`` times, for as long as the context lasts and in thread CPU time, the
+whole step (an observer the engine calls after each step, ``engine/observer``), the model's
+forward and every ``nn.Linear`` of the model (the matmuls, LM head included; torch forward
+hooks), the paged attention call (K/V write + attention; a timed function registered under the
+engine's attention name) and the runner's native decode steps (the runner's
+``forward_observer`` hook). No engine or runner method is replaced. The split it reports, in
+seconds and as shares of the step time:
 
 * ``matmuls``: inside ``nn.Linear`` forwards;
 * ``attention``: inside the paged attention call (writing K/V, gathering blocks, SDPA or kernel);
@@ -36,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from transformers import AttentionInterface
 
 from quire_engine.engine.llm_engine import LLMEngine
+from quire_engine.engine.observer import StepRecord
 from quire_engine.model import attention
 
 
@@ -63,20 +67,11 @@ class StepProfile:
 
     @contextmanager
     def attach(self, engine: LLMEngine) -> Iterator[None]:
+        """Profile ``engine``'s steps while the context lasts: an observer of its steps and of
+        its runner's native decode steps, torch forward hooks on the model and its linears,
+        and a timed attention function in transformers' registry; all removed at exit."""
         runner = engine.runner
         model = runner.model
-        step = engine.step
-        native_step = runner._native_step
-        clock = time.thread_time_ns
-
-        def timed_native_step(x: Any) -> Any:
-            # Only the steps it ran count; the others' check is step Python.
-            t0 = clock()
-            logits = native_step(x)
-            if logits is not None:
-                self.ns["native_decoder"] += clock() - t0
-            return logits
-
         handles = []
         starts: list[int] = []
 
@@ -95,13 +90,8 @@ class StepProfile:
                 handles.append(module.register_forward_hook(post_for("matmuls")))
         handles.append(model.register_forward_pre_hook(pre))
         handles.append(model.register_forward_hook(post_for("forward")))
-
-        def counted_step() -> Any:
-            self.steps += 1
-            return step()
-
-        engine.step = timed(self.ns, "step", counted_step)  # type: ignore[method-assign]
-        runner._native_step = timed_native_step  # type: ignore[method-assign]
+        engine.add_observer(self)
+        runner.forward_observer = self
         # Models look their attention function up by name at every call.
         AttentionInterface.register(
             attention.ATTENTION_NAME, timed(self.ns, "attention", attention.paged_attention_forward)
@@ -109,11 +99,22 @@ class StepProfile:
         try:
             yield
         finally:
-            del engine.step
-            del runner._native_step
+            engine.remove_observer(self)
+            if runner.forward_observer is self:
+                runner.forward_observer = None
             attention.register()
             for handle in handles:
                 handle.remove()
+
+    def on_step(self, step: StepRecord) -> None:
+        """The engine's observer call after each step: its whole thread CPU time."""
+        self.steps += 1
+        self.ns["step"] += step.cpu_ns
+
+    def on_native_decode(self, cpu_ns: int) -> None:
+        """The runner's hook: a step whose forward ran as one native call (the other steps'
+        check for it is step Python)."""
+        self.ns["native_decoder"] += cpu_ns
 
     def install(self, engine: LLMEngine) -> LLMEngine:
         """``attach`` for the rest of the process's life (``serve --profile``); returns the

@@ -5,7 +5,8 @@ a ``SchedulerOutput``, performs its block moves (swap-outs, swap-ins, then copy-
 that order, before any K/V of the step is written), packs the step's new tokens of every sequence
 into one row, runs the forward pass with paged attention and returns the logits of the sequences
 that sample this step. On CPU a pure decode step of a few sequences of a Llama-shaped model runs
-as one native call instead of the model's modules (``cpu/decoder``), on the same pools.
+as one native call instead of the model's modules (``cpu/decoder``), on the same pools; a
+``forward_observer`` (instrumentation: ``engine/profile``) is told the CPU time of those steps.
 
 Pool sizing (``size_pool``): an explicit ``num_blocks`` or ``kv_cache_memory`` wins; otherwise on
 CUDA the pool gets ``total_memory * gpu_memory_utilization`` minus the weights and the activation
@@ -18,11 +19,12 @@ import itertools
 import logging
 import math
 import mmap
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -74,6 +76,14 @@ class CacheShape:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+
+
+class ForwardObserver(Protocol):
+    """What instrumentation (``engine/profile``) learns from inside a step's forward."""
+
+    def on_native_decode(self, cpu_ns: int) -> None:
+        """A step whose whole forward ran as one native call (``cpu/decoder``) took ``cpu_ns``
+        thread CPU nanoseconds."""
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -141,10 +151,12 @@ class ModelRunner:
         self.decoder: decoder_cpu.DecoderStack | None = None
         if self.native_linears and self.native_decode is not None and self._layers:
             self.decoder = self._build_decoder()
-        # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
-        # no-op costing a dispatcher round trip per input per step).
         # Tensor parallelism: sends each step's plan to the other ranks before this one runs it.
         self.publish: Callable[[StepPlan], None] | None = None
+        # Instrumentation's hook inside the forward (the clock is read only while one is set).
+        self.forward_observer: ForwardObserver | None = None
+        # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
+        # no-op costing a dispatcher round trip per input per step).
         self._put: Callable[[np.ndarray], torch.Tensor] = (
             torch.from_numpy
             if device.type == "cpu"
@@ -212,8 +224,12 @@ class ModelRunner:
         x = plan.inputs
         keep = x.sample_rows if plan.keep is None else plan.keep
         if plan.keep is None:
+            observer = self.forward_observer
+            started = time.thread_time_ns() if observer is not None else 0
             native_logits = self._native_step(x)
             if native_logits is not None:
+                if observer is not None:  # only the steps it ran count
+                    observer.on_native_decode(time.thread_time_ns() - started)
                 return native_logits
         dev = self.device
         cpu_plan = None

@@ -16,6 +16,7 @@ from quire_engine.core.request_table import RequestTable
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine.llm import LLM
 from quire_engine.engine.llm_engine import LLMEngine
+from quire_engine.engine.step_batch import GreedyBatch
 
 PROMPT = [7, 42, 99, 3, 150, 11]
 BEAM_PROMPT = [200, 5, 77, 18]  # another prompt: other logits in the same step
@@ -93,14 +94,14 @@ def test_plain_greedy_lane_reports_what_the_general_path_reports(
     assert len(out.token_ids) >= 6, "the probe must generate a few tokens"
     stop_id, stop_text = out.token_ids[4], out.text[2:4]
     lane_calls = 0
-    lane = LLMEngine._step_plain_greedy
+    lane = GreedyBatch.process
 
     def counted(*args: Any) -> list[RequestOutput]:
         nonlocal lane_calls
         lane_calls += 1
         return lane(*args)
 
-    monkeypatch.setattr(LLMEngine, "_step_plain_greedy", counted)
+    monkeypatch.setattr(GreedyBatch, "process", counted)
     in_lane = _greedy_reports(engine(), stop_text, stop_id)
     assert lane_calls == len(in_lane)  # every step took the lane
     monkeypatch.setattr(RequestTable, "all_plain_greedy", property(lambda self: False))

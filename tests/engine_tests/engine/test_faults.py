@@ -24,6 +24,7 @@ from quire_engine.core import request_table as table_module
 from quire_engine.core.detokenizer import Detokenizer
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.engine import llm_engine as engine_module
+from quire_engine.engine import output_processor
 from quire_engine.model.sampler import SampleRow
 
 POISON_SEED = 666_666
@@ -107,7 +108,7 @@ def test_a_fault_in_detokenization_after_the_fork_fails_only_that_request(
 def test_a_fault_in_stop_checking_fails_only_that_request(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = engine_module.find_stop
+    real = output_processor.find_stop
     calls = [0]
 
     def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> Any:
@@ -119,7 +120,7 @@ def test_a_fault_in_stop_checking_fails_only_that_request(
 
     bad = SamplingParams(temperature=0.0, max_tokens=LAST, stop=("POISON",), ignore_eos=True)
     clean = run(llm, "stop me", bad)
-    monkeypatch.setattr(engine_module, "find_stop", find_stop)
+    monkeypatch.setattr(output_processor, "find_stop", find_stop)
     outs = run(llm, "stop me", bad)
     assert_failed(outs[3], "injected stop-check fault")
     assert_unharmed(llm, outs[:3], clean[:3])
