@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import httpx2
 import pytest
 
 from quire_engine import LLM, SamplingParams
-from tests.engine_tests.live_server import RunningServer, Samples, serve, tiny_settings
+from quire_engine.engine.observer import StepRecord
+from tests.engine_tests.live_server import (
+    EngineHolder,
+    RunningServer,
+    Samples,
+    serve,
+    tiny_settings,
+)
 from tests.engine_tests.ties import assert_tie_free
 
 EVERY_METRIC = (  # docs/metrics.md
@@ -84,21 +92,53 @@ def test_64_concurrent_streams_equal_offline_and_metrics_count_them(server: Runn
     assert grew(before, after, "quire_preemptions_total", mode="recompute") == 0
 
 
-def test_a_client_that_disconnects_is_aborted_within_one_step(server: RunningServer) -> None:
-    before = server.metrics()
-    body = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx2.stream("POST", f"{server.base_url}/completions", json=body) as response:
-        events = 0
-        for line in response.iter_lines():
-            events += line.startswith("data: ")
-            if events == 2:
-                # Chunks arrive while the request still runs (streamed, not buffered).
-                assert server.metric("quire_num_requests_running") == 1
-                break  # closing the line iterator closes the connection mid-stream
-    after = server.wait_until_idle()
-    assert grew(before, after, "quire_request_success_total", finished_reason="abort") == 1
-    assert grew(before, after, "quire_generation_tokens_total") < 200
-    assert server.engine.max_abort_lag_steps <= 1
+class Lockstep:
+    """A step observer that lets the engine sample at most ``lead`` tokens ahead of what the
+    client has read (the client calls ``consumed`` per event), until ``release``: the request
+    is then still running when the client looks, whatever the machine's speed."""
+
+    def __init__(self, lead: int) -> None:
+        self._credits = threading.Semaphore(lead)
+        self._released = threading.Event()
+
+    def on_step(self, step: StepRecord) -> None:
+        if any(step.schedule.samples) and not self._released.is_set():
+            self._credits.acquire(timeout=60)  # a stuck client fails the test, not the run
+
+    def consumed(self) -> None:
+        self._credits.release()
+
+    def release(self) -> None:
+        self._released.set()
+        self._credits.release()
+
+
+def test_a_client_that_disconnects_is_aborted_within_one_step() -> None:
+    holder = EngineHolder()
+    with serve(tiny_settings(engine_factory=holder)) as server:
+        before = server.metrics()
+        lockstep = Lockstep(lead=2)
+        holder.engine.add_observer(lockstep)
+        body = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        try:
+            with httpx2.stream("POST", f"{server.base_url}/completions", json=body) as response:
+                events = 0
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events += 1
+                    if events == 2:
+                        # Chunks arrive while the request still runs (streamed, not buffered).
+                        assert server.metric("quire_num_requests_running") == 1
+                        break  # closing the line iterator closes the connection mid-stream
+                    lockstep.consumed()
+        finally:
+            lockstep.release()
+        after = server.wait_until_idle()
+        assert grew(before, after, "quire_request_success_total", finished_reason="abort") == 1
+        assert grew(before, after, "quire_generation_tokens_total") < 200
+        assert server.engine.max_abort_lag_steps <= 1
+        holder.engine.remove_observer(lockstep)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
