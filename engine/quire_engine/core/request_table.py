@@ -36,8 +36,9 @@ class Sample:
     """One output stream of a request: its sequence, RNG, detokenizer and output so far.
 
     This is the engine's live state of the stream; reports are snapshots of it
-    (``engine.output_processor.completion``). ``tokens`` and ``logprobs`` are only ever appended to, so reports hand out
-    ``Prefix`` views of them; the text so far is ``detok.text``."""
+    (``engine.output_processor.completion``). ``tokens`` and ``logprobs`` are only ever
+    appended to, so reports hand out ``Prefix`` views of them; the text so far is
+    ``detok.text``."""
 
     seq: Sequence
     generator: Rng | None
