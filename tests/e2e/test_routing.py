@@ -92,23 +92,23 @@ def first_answer(gateway: Gateway, model: str) -> None:
 def test_prefix_affinity_doubles_the_fleets_prefix_hits_and_lowers_ttft(
     fleet: Callable[..., RoutedFleet],
 ) -> None:
-    # 9 system prompts of 320 characters (20 blocks each) over 3 replicas of 96 blocks: the pool
-    # can keep each replica's share of prompts cached (3 x 20 blocks), while random spreading
-    # makes every replica see all 9 (180 blocks) and evict them before they come back.
-    # 10 requests per prompt: the plain Service's hit rate is a random variable (Envoy's RANDOM
-    # balancing). Modelled as LRU pools under uniform random routing it averages 0.27 with a
-    # 99.9th percentile of 0.42, against the pool's 0.85, so the 2x bound fails about once in
-    # a thousand runs; with 5 requests per prompt it failed about once in fifty (0.38 vs 0.76).
-    # That model leaves out the pool's own spread: GIE places a prompt it has not seen by load
-    # (queue and KV usage, a scrape behind), and it has put 5 of the 9 on one replica, which then
-    # thrashed (pool 0.69 against the Service's 0.36, a failure; seen once in about seven runs).
-    f = fleet("affinity", 3, num_blocks=96, max_num_seqs=8)
+    # 18 system prompts of 320 characters (20 blocks each) over 3 replicas of 136 blocks: a
+    # replica keeps 6 prompts cached, so the pool's even share fits, while random spreading makes
+    # every replica see all 18 (360 blocks) and evict them before they come back. Both sides'
+    # hit rates are random variables. The Service's, from Envoy's RANDOM balancing: modelled as
+    # LRU pools under uniform random routing it averages 0.17 (0.22 measured: a prompt's head
+    # outlives its tail in the pool) against the pool's 0.84. The pool's, from where GIE places a
+    # prompt it has not seen: by load alone, a scrape behind, so not always evenly. With 9 prompts
+    # on 96-block replicas it once put 5 on one replica, which then thrashed (0.69, a failure);
+    # here a replica has to receive more than 6 of the 18 before it thrashes, and with placement
+    # as bad as uniform random the 2x bound fails about once in a hundred runs (modelled).
+    f = fleet("affinity", 3, num_blocks=136, max_num_seqs=8)
     gateway, service = f.gateway(), f.service()
     first_answer(gateway, f.name)
     argv = [
         "bench", "route", "--pool-url", gateway.url, "--service-url", service.url,
         *[arg for e in f.runner.engines() for arg in ("--engine-url", e.url)],
-        "--groups", "9", "--requests-per-group", "10", "--system-prompt-len", "320",
+        "--groups", "18", "--requests-per-group", "10", "--system-prompt-len", "320",
         "--user-prompt-len", "16", "--output-len", "4", "--max-concurrency", "3",
         "--latency-probes", "10", "--timeout", "60",
     ]  # fmt: skip
