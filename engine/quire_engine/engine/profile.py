@@ -139,12 +139,13 @@ class StepProfile:
 
 
 def split_report(steps: int, parts_s: dict[str, float]) -> dict[str, Any]:
-    """The profile's JSON: steps, step CPU seconds, and the split in seconds and shares."""
+    """The profile's JSON: steps, step CPU seconds, and the split in seconds and shares.
+    Seconds keep microseconds: a small model's phase can total well under a millisecond."""
     total = sum(parts_s.values())
     return {
         "steps": steps,
-        "step_cpu_s": round(total, 3),
-        "split_s": {k: round(v, 3) for k, v in parts_s.items()},
+        "step_cpu_s": round(total, 6),
+        "split_s": {k: round(v, 6) for k, v in parts_s.items()},
         "split_share": {k: round(v / total, 3) if total > 0 else 0.0 for k, v in parts_s.items()},
     }
 
