@@ -47,6 +47,28 @@ class PreemptionMode(enum.Enum):
             raise ValueError(f"preemption_mode must be one of {choices}; got {value!r}") from None
 
 
+class KVCacheDtype(enum.Enum):
+    """What one K or V element of the paged pool is stored as (vLLM's ``--kv-cache-dtype``
+    names). ``AUTO`` keeps the model's dtype; the 8-bit formats store one byte per element plus
+    a float32 scale per token and KV head (``kernels.kv_quant``), about a quarter of float32's
+    bytes at head_dim 64 and above. ``FP8`` is vLLM's alias of ``FP8_E4M3``; configs hold the
+    canonical member (``canonical``)."""
+
+    AUTO = "auto"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    INT8 = "int8"
+
+    @property
+    def canonical(self) -> KVCacheDtype:
+        return KVCacheDtype.FP8_E4M3 if self is KVCacheDtype.FP8 else self
+
+    @property
+    def quantized(self) -> bool:
+        return self is not KVCacheDtype.AUTO
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What to load, where, and in which dtype."""
@@ -100,9 +122,16 @@ class CacheConfig:
     swap_space: float = knob(
         4.0, "CPU swap pool for --preemption-mode swap (GiB)", min=0, unit="GiB"
     )
+    kv_cache_dtype: KVCacheDtype = knob(
+        KVCacheDtype.AUTO,
+        "KV pool element type: auto (the model's dtype), or 8 bits with a scale per token and KV "
+        "head: fp8 (= fp8_e4m3), fp8_e5m2, int8",
+    )
 
     def __post_init__(self) -> None:
         knobs.check(self)
+        # One spelling per format downstream (vLLM's "fp8" is e4m3).
+        object.__setattr__(self, "kv_cache_dtype", self.kv_cache_dtype.canonical)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from quire_engine.cpu.native import PagedDecode
+from quire_engine.kernels.kv_cache_ops import write_kv_reference
+from quire_engine.kernels.kv_quant import FixedScales, dequantize
 from quire_engine.kernels.paged_attention_reference import attend_decode, decode_chunks
 
 
@@ -150,9 +152,19 @@ class CpuAttentionPlan:
         value: torch.Tensor,
         k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D], contiguous
         v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,  # 8-bit pools: fp32 [num_blocks, block_size, kv_heads]
+        v_scale: torch.Tensor | None = None,
+        fixed: FixedScales | None = None,
     ) -> None:
         """The step's new K/V into their slots (the runner's pools are contiguous, so a flat
-        ``[num_blocks * block_size, kv_heads, D]`` view indexes slots directly)."""
+        ``[num_blocks * block_size, kv_heads, D]`` view indexes slots directly); an 8-bit pool
+        is written quantized, as ``write_kv_reference`` does."""
+        if k_scale is not None:
+            write_kv_reference(
+                key, value, k_cache, v_cache, self.slots, k_scale=k_scale, v_scale=v_scale,
+                fixed=fixed,
+            )  # fmt: skip
+            return
         flat = (-1, *k_cache.shape[2:])
         k_cache.view(flat).index_copy_(0, self.slots, key.to(k_cache.dtype))
         v_cache.view(flat).index_copy_(0, self.slots, value.to(v_cache.dtype))
@@ -173,14 +185,19 @@ class CpuAttentionPlan:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,  # 8-bit pools: their scales (see write_kv)
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[T, heads, D]`` in ``q.dtype``; K/V of the step must be written first. A window or
-        soft-cap only where ``handles`` says so."""
+        soft-cap only where ``handles`` says so. An 8-bit pool's gathered blocks are
+        dequantized as they are gathered (the pool stays 8-bit)."""
         if not self.handles(sliding_window, softcap):
             raise ValueError("this plan's torch path has no sliding window or soft-cap")
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if (nd := self.native) is not None and len(nd.rows):
+            if k_scale is not None:
+                raise ValueError("the native decode kernel has no 8-bit path yet")
             if nd.max_block >= k_cache.shape[0]:
                 raise ValueError(f"block {nd.max_block} is outside a pool of {k_cache.shape[0]}")
             qn = q if q.stride(2) == 1 else q.contiguous()
@@ -189,22 +206,22 @@ class CpuAttentionPlan:
                 sliding_window, softcap,
             )  # fmt: skip
         for c in self.decode:
-            k = torch.index_select(k_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
-            v = torch.index_select(v_cache, 0, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
+            k = _gather(k_cache, k_scale, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
+            v = _gather(v_cache, v_scale, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
             o = attend_decode(
                 q.index_select(0, c.rows).float(),  # [n, heads, D]
-                k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
-                v.float().transpose(1, 2),
+                k.transpose(1, 2),  # [n, kv_heads, padded, D]
+                v.transpose(1, 2),
                 c.mask,  # [n, 1, 1, padded]
                 scale,
                 None,
             )  # [n, heads, D]
             out.index_copy_(0, c.rows, o.to(q.dtype))
         for p in self.prefill:
-            k = torch.index_select(k_cache, 0, p.blocks).view(-1, kv_heads, head_dim)
-            v = torch.index_select(v_cache, 0, p.blocks).view(-1, kv_heads, head_dim)
-            k = k[: p.length].float().transpose(0, 1)  # [kv_heads, L, D]
-            v = v[: p.length].float().transpose(0, 1)
+            k = _gather(k_cache, k_scale, p.blocks).view(-1, kv_heads, head_dim)
+            v = _gather(v_cache, v_scale, p.blocks).view(-1, kv_heads, head_dim)
+            k = k[: p.length].transpose(0, 1)  # [kv_heads, L, D]
+            v = v[: p.length].transpose(0, 1)
             qs = q[p.start : p.start + p.num_queries].float().transpose(0, 1)  # [heads, n, D]
             o = F.scaled_dot_product_attention(
                 qs[None], k[None], v[None], attn_mask=p.mask, is_causal=p.mask is None,
@@ -212,6 +229,15 @@ class CpuAttentionPlan:
             )  # fmt: skip
             out[p.start : p.start + p.num_queries] = o[0].transpose(0, 1).to(q.dtype)
         return out
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """float32 copies of ``blocks`` (int64 [n]) of a pool: ``[n, block_size, kv_heads, D]``,
+    dequantized with their scales for an 8-bit pool."""
+    gathered = torch.index_select(cache, 0, blocks)
+    if scale is None:
+        return gathered.float()
+    return dequantize(gathered, torch.index_select(scale, 0, blocks))
 
 
 def _native_decode(

@@ -105,14 +105,18 @@ def _load(
             device=device,
             layers=loaded.layers,
             native_linears=comm is None,
+            fixed_scales=plan.fixed_scales,
         )
     if parallel is not None:
         runner.publish = parallel.publish
     logger.info(
-        "KV pool: %d blocks x %d tokens (%.1f MiB per rank), %d CPU swap blocks, "
-        "max_model_len %d, tensor_parallel_size %d",
+        "KV pool: %d blocks x %d tokens of %s (%s scales, %d bytes per token; %.1f MiB per "
+        "rank), %d CPU swap blocks, max_model_len %d, tensor_parallel_size %d",
         num_blocks,
         plan.cache.block_size,
+        shape.kv_dtype.value if shape.quantized else str(shape.dtype).removeprefix("torch."),
+        ("checkpoint" if plan.fixed_scales else "per-token") if shape.quantized else "no",
+        shape.bytes_per_token,
         num_blocks * shape.bytes_per_block / 2**20,
         num_cpu_blocks,
         max_len,

@@ -1,14 +1,20 @@
 """Moving K/V in and between paged caches: slot writes, block copies (copy-on-write) and swaps.
 
-Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``. A *slot* names
-one token position of the pool: ``slot = block_id * block_size + offset``.
+Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``, and for an
+8-bit pool its scales ``[num_blocks, block_size, num_kv_heads]`` float32 (``kv_quant``). A *slot*
+names one token position of the pool: ``slot = block_id * block_size + offset``.
 
 - :func:`write_kv`: scatter the step's new K/V ``[num_tokens, kv_heads, head_dim]`` into their
-  slots. A Triton kernel on CUDA (one program per token), ``index_put_`` elsewhere.
+  slots, quantizing them in the same pass when the pool is 8-bit (their scales go to the same
+  slots of the scale pools). A Triton kernel on CUDA (one program per token), ``index_put_``
+  elsewhere.
 - :func:`copy_blocks`: ``dst <- src`` block copies inside each layer's pool, for copy-on-write
   when a shared last block is about to be written by one of its owners.
 - :func:`swap_blocks`: block copies between two pools of the same block shape on different
   devices (GPU <-> CPU) for swap-out / swap-in preemption.
+
+Both copies take any list of block-major tensors (dimension 0 is the block id): the runner
+passes the scale pools beside the data pools, so a block's scales move with its bytes.
 
 The copies are whole-block gathers/scatters with torch indexing: one kernel per layer and
 tensor, already bandwidth-bound, so a custom kernel would buy nothing.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from quire_engine.kernels.kv_quant import QMAX, FixedScales, quantize
 from quire_engine.kernels.triton_runtime import HAS_TRITON, check_launchable, jit, triton_usable
 
 if HAS_TRITON:
@@ -78,6 +85,8 @@ def _check_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -95,10 +104,26 @@ def _check_write(
             f"slot_mapping must be a 1-D int64 tensor, got {slot_mapping.dtype} "
             f"{tuple(slot_mapping.shape)}"
         )
-    dtypes = {key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}
-    if len(dtypes) != 1:
-        raise ValueError(f"key, value and the caches must share one dtype, got {dtypes}")
-    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
+    if key.dtype != value.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"key and value ({key.dtype}, {value.dtype}) and the caches ({k_cache.dtype}, "
+            f"{v_cache.dtype}) must each share one dtype"
+        )
+    scales = [t for t in (k_scale, v_scale) if t is not None]
+    if k_cache.dtype in QMAX:
+        want_scale = k_cache.shape[:3]
+        if len(scales) != 2 or any(
+            t.shape != want_scale or t.dtype != torch.float32 for t in scales
+        ):
+            raise ValueError(
+                f"an 8-bit {k_cache.dtype} cache needs float32 k_scale and v_scale of shape "
+                f"{tuple(want_scale)}"
+            )
+    elif scales:
+        raise ValueError(f"scales belong to 8-bit caches, not to a {k_cache.dtype} one")
+    elif key.dtype != k_cache.dtype:
+        raise ValueError(f"key ({key.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
+    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping, *scales)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
@@ -113,15 +138,31 @@ def write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    fixed: FixedScales | None = None,
 ) -> None:
-    """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots, in place.
+    """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots, in place;
+    into an 8-bit cache quantized (``kv_quant.quantize``: dynamic per-row scales, or the
+    ``fixed`` checkpoint scales), each row's scale into the same slot of ``k_scale`` /
+    ``v_scale``.
 
     Indexing (block, offset) pairs rather than a flattened view works for any cache strides."""
-    _check_write(key, value, k_cache, v_cache, slot_mapping)
+    _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     block_size = k_cache.shape[1]
     index = (slot_mapping // block_size, slot_mapping % block_size)
-    k_cache.index_put_(index, key)
-    v_cache.index_put_(index, value)
+    if k_scale is None or v_scale is None:
+        k_cache.index_put_(index, key)
+        v_cache.index_put_(index, value)
+        return
+    for x, cache, scales, fixed_scale in (
+        (key, k_cache, k_scale, None if fixed is None else fixed.k),
+        (value, v_cache, v_scale, None if fixed is None else fixed.v),
+    ):
+        q, s = quantize(x, cache.dtype, fixed_scale)
+        cache.index_put_(index, q)
+        scales.index_put_(index, s)
 
 
 def write_kv_triton(
@@ -133,6 +174,8 @@ def write_kv_triton(
 ) -> None:
     """The Triton launcher behind :func:`write_kv` (CUDA, or CPU under TRITON_INTERPRET=1)."""
     _check_write(key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.dtype in QMAX:
+        raise ValueError("the Triton write kernel has no 8-bit path yet")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
@@ -160,12 +203,20 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    fixed: FixedScales | None = None,
 ) -> None:
-    """Write new K/V into their slots: the Triton kernel on CUDA, ``index_put_`` elsewhere."""
-    if triton_usable(key.device):
+    """Write new K/V into their slots (quantizing into an 8-bit cache, see
+    ``write_kv_reference``): the Triton kernel on CUDA, ``index_put_`` elsewhere."""
+    if triton_usable(key.device) and k_scale is None:
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_reference(
+            key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+            fixed=fixed,
+        )  # fmt: skip
 
 
 def _pair_indices(
@@ -189,10 +240,11 @@ def _check_layers(
     if len(a) != len(b):
         raise ValueError(f"{names[0]} has {len(a)} layers, {names[1]} has {len(b)}")
     for layer, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x.dim() != 4 or x.shape[1:] != y.shape[1:] or x.dtype != y.dtype:
+        if x.dim() < 2 or x.shape[1:] != y.shape[1:] or x.dtype != y.dtype:
             raise ValueError(
                 f"layer {layer}: {names[0]} {tuple(x.shape)} {x.dtype} and {names[1]} "
-                f"{tuple(y.shape)} {y.dtype} must be 4-D caches of one block shape and dtype"
+                f"{tuple(y.shape)} {y.dtype} must be block-major pools of one block shape and "
+                "dtype"
             )
         if same_device and x.device != y.device:
             raise ValueError(f"layer {layer}: {names[0]} on {x.device}, {names[1]} on {y.device}")

@@ -18,6 +18,10 @@ Layout (one layer):
   the last ``W`` positions including its own (transformers' ``sliding_window_overlay``). Blocks
   wholly before every query's window are never read, so their table entries may name any valid
   block (the KV cache manager releases them; see ``kv_cache_manager``).
+- ``k_scale``, ``v_scale`` (8-bit pools only): float32 ``[num_blocks, block_size, num_kv_heads]``,
+  one scale per token and KV head; position ``p`` of K reads back as ``float(k) * k_scale`` at
+  the same (block, offset, head) (``kv_quant``). Readers dequantize what they load, never the
+  pool.
 - ``softcap`` (optional, ``c``): scores become ``c * tanh(scale * q.k / c)`` before the softmax
   (Gemma 2's attention logit soft-capping), as transformers' eager attention computes them.
 """
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from quire_engine.kernels.kv_quant import QUANTIZED_DTYPES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes q and the pools may have
 
@@ -54,7 +60,7 @@ class PagedAttentionInputs(NamedTuple):
 
     q: torch.Tensor  # [num_tokens, num_heads, head_dim], head_dim contiguous
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
-    v_cache: torch.Tensor  # same shape and dtype as k_cache
+    v_cache: torch.Tensor  # same shape and dtype as k_cache (q's, or an 8-bit one with scales)
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens: torch.Tensor  # int32 [num_seqs]: context length including the step's queries
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query counts, from 0
@@ -63,12 +69,14 @@ class PagedAttentionInputs(NamedTuple):
     max_seq_len: int  # bounds every seq_lens entry (sizes the splits)
     sliding_window: int | None = None  # W >= 1: positions p - W < pos <= p are visible
     softcap: float | None = None  # c > 0: scores c * tanh(scale * q.k / c)
+    k_scale: torch.Tensor | None = None  # fp32 [num_blocks, block_size, num_kv_heads]: 8-bit only
+    v_scale: torch.Tensor | None = None
 
 
 def check_inputs(inputs: PagedAttentionInputs) -> None:
     """Shapes, dtypes, devices and strides; raises ValueError naming what is wrong."""
     (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-     max_seq_len, sliding_window, softcap) = inputs  # fmt: skip
+     max_seq_len, sliding_window, softcap, k_scale, v_scale) = inputs  # fmt: skip
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
@@ -78,11 +86,23 @@ def check_inputs(inputs: PagedAttentionInputs) -> None:
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
-    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    quantized = k_cache.dtype in QUANTIZED_DTYPES
+    cache_ok = v_cache.dtype == k_cache.dtype and (quantized or k_cache.dtype == q.dtype)
+    if q.dtype not in DTYPES or not cache_ok:
         raise ValueError(
-            f"q, k_cache and v_cache must share one of {DTYPES}; got {q.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            f"q must be one of {DTYPES} and k_cache and v_cache q's dtype or one of "
+            f"{QUANTIZED_DTYPES}; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
+    scales = [t for t in (k_scale, v_scale) if t is not None]
+    if quantized and (
+        len(scales) != 2
+        or any(t.shape != k_cache.shape[:3] or t.dtype != torch.float32 for t in scales)
+    ):
+        raise ValueError(
+            f"an 8-bit cache needs float32 k_scale and v_scale of shape {tuple(k_cache.shape[:3])}"
+        )
+    if scales and not quantized:
+        raise ValueError(f"k_scale and v_scale belong to 8-bit caches, not {k_cache.dtype}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -111,7 +131,9 @@ def check_inputs(inputs: PagedAttentionInputs) -> None:
             f"{query_start_loc.shape[0]} entries for {num_seqs} sequences (want {num_seqs} and "
             f"{num_seqs + 1})"
         )
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)}
+    devices = {
+        t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *scales)
+    }
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

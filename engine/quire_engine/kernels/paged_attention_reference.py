@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from quire_engine.kernels.kv_quant import dequantize
 from quire_engine.kernels.paged_attention_inputs import (
     PagedAttentionInputs,
     check_inputs,
@@ -29,6 +30,16 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     n, nb = blocks.shape
     gathered = torch.index_select(cache, 0, blocks.flatten())  # faster than cache[blocks] on CPU
     return gathered.view(n, nb * cache.shape[1], *cache.shape[2:])
+
+
+def _gather_float(
+    cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor
+) -> torch.Tensor:
+    """``_gather`` in float32, dequantizing an 8-bit pool's blocks with their scales as they are
+    gathered (the pool itself stays 8-bit)."""
+    if scale is None:
+        return _gather(cache, blocks).float()
+    return dequantize(_gather(cache, blocks), _gather(scale, blocks))
 
 
 def _attend(
@@ -121,6 +132,7 @@ def paged_attention_reference(
     check_inputs(inputs)
     q, k_cache, v_cache, block_tables, seq_lens = inputs[:5]
     scale, sliding_window, softcap = inputs.scale, inputs.sliding_window, inputs.softcap
+    k_scale, v_scale = inputs.k_scale, inputs.v_scale
     starts, q_lens, lens = check_values(inputs)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -145,8 +157,8 @@ def paged_attention_reference(
         last = (seq_lens[seqs].long() - 1) // block_size
         first = (last - num_blocks + 1).clamp(min=0)
         cols = first[:, None] + torch.arange(num_blocks, device=dev)
-        k = _gather(k_cache, tables[seqs[:, None], cols])  # [n, padded, kv_heads, D]
-        v = _gather(v_cache, tables[seqs[:, None], cols])
+        k = _gather_float(k_cache, k_scale, tables[seqs[:, None], cols])  # [n, padded, kv, D]
+        v = _gather_float(v_cache, v_scale, tables[seqs[:, None], cols])
         pos = first[:, None] * block_size + torch.arange(padded, device=dev)
         visible = pos < seq_lens[seqs, None]  # [n, padded]
         if sliding_window is not None:
@@ -160,8 +172,8 @@ def paged_attention_reference(
             v.view(-1, num_kv_heads, head_dim).index_fill_(0, hidden, 0.0)
         o = attend_decode(
             q[rws].float(),  # [n, heads, D]
-            k.float().transpose(1, 2),  # [n, kv_heads, padded, D]
-            v.float().transpose(1, 2),
+            k.transpose(1, 2),  # [n, kv_heads, padded, D]
+            v.transpose(1, 2),
             visible[:, None, None, :],
             scale,
             softcap,
@@ -176,8 +188,8 @@ def paged_attention_reference(
         lo = 0 if sliding_window is None else max(0, length - n - sliding_window + 1)
         lo -= lo % block_size
         blocks = tables[s : s + 1, lo // block_size : -(-length // block_size)]
-        k = _gather(k_cache, blocks)[0, : length - lo].float().transpose(0, 1)  # [kv, L, D]
-        v = _gather(v_cache, blocks)[0, : length - lo].float().transpose(0, 1)
+        k = _gather_float(k_cache, k_scale, blocks)[0, : length - lo].transpose(0, 1)  # [kv, L, D]
+        v = _gather_float(v_cache, v_scale, blocks)[0, : length - lo].transpose(0, 1)
         qs = q[start : start + n].float().transpose(0, 1)  # [heads, n, D]
         mask = None
         if length != n or sliding_window is not None:

@@ -303,7 +303,9 @@ def paged_attention(inputs: PagedAttentionInputs, *, num_splits: int | None = No
     """
     check_inputs(inputs)
     (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-     max_seq_len, sliding_window, softcap) = inputs  # fmt: skip
+     max_seq_len, sliding_window, softcap, k_scale, _v_scale) = inputs  # fmt: skip
+    if k_scale is not None:
+        raise ValueError("the Triton attention kernel has no 8-bit path yet")
     if q.device.type == "cpu":
         check_values(inputs)
     if num_splits is not None and num_splits < 1:

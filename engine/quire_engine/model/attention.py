@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from quire_engine.cpu.paged_attention import LazyCpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv
+from quire_engine.kernels.kv_quant import LayerKV
 from quire_engine.kernels.paged_attention_inputs import LayerAttention as LayerAttention
 from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
 from quire_engine.kernels.paged_attention_reference import paged_attention_reference
@@ -56,7 +57,7 @@ HONOURED_KWARGS = ("scaling", "sliding_window", "softcap", "dropout", "quire_met
 class AttentionMetadata:
     """One step's view of the paged cache, shared by every layer."""
 
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: 2 x [blocks, bs, kv_heads, D]
+    kv_caches: list[LayerKV]  # per layer: K/V [blocks, bs, kv_heads, D] (+ 8-bit scales)
     slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]: context length including this step's tokens
@@ -95,7 +96,8 @@ def paged_attention_forward(
         raise ValueError(f"attention keywords Quire cannot honour: {sorted(unknown)}")
     if dropout:
         raise ValueError(f"attention dropout {dropout} in inference: call model.eval()")
-    k_cache, v_cache = md.kv_caches[module.layer_idx]  # type: ignore[index]
+    layer: LayerKV = md.kv_caches[module.layer_idx]  # type: ignore[index]
+    k_cache, v_cache, k_scale, v_scale, fixed = layer
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window is not None else None
     cap = float(softcap) if softcap is not None else None
@@ -103,14 +105,22 @@ def paged_attention_forward(
     # released blocks of windowed models) only in steps it runs wholly through the native decode
     # kernel, which honours both. Otherwise the reference, which honours both everywhere.
     if md.cpu_plan is not None and (plan := md.cpu_plan.get()).handles(window, cap):
-        plan.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
-        out = plan.attend(query[0].transpose(0, 1), k_cache, v_cache, scale, window, cap)
+        plan.write_kv(
+            key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, k_scale, v_scale,
+            fixed,
+        )  # fmt: skip
+        out = plan.attend(
+            query[0].transpose(0, 1), k_cache, v_cache, scale, window, cap, k_scale, v_scale
+        )
         return out.unsqueeze(0), None  # [1, T, heads, D]
-    write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
+    write_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping,
+        k_scale=k_scale, v_scale=v_scale, fixed=fixed,
+    )  # fmt: skip
     q = query[0].transpose(0, 1)  # [T, heads, D]; the kernels need only head_dim contiguous
     inputs = PagedAttentionInputs(
         q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-        md.max_query_len, md.max_seq_len, window, cap,
+        md.max_query_len, md.max_seq_len, window, cap, k_scale, v_scale,
     )  # fmt: skip
     if md.use_triton:
         out = paged_attention(inputs)

@@ -13,9 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from quire_engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.config import (
+    CacheConfig,
+    EngineConfig,
+    KVCacheDtype,
+    PreemptionMode,
+    SchedulerConfig,
+)
 from quire_engine.core.knobs import resolved
 from quire_engine.core.kv_cache_manager import max_blocks_held
+from quire_engine.kernels.kv_quant import FixedScales
 from quire_engine.model.collectives import Collectives
 from quire_engine.model.loader import LoadedModel
 from quire_engine.model.runner import CacheShape, profile_peak_memory, size_pool
@@ -30,6 +37,8 @@ class CachePlan:
     shape: CacheShape  # this rank's block shape (its KV heads under tensor parallelism)
     scheduler: SchedulerConfig
     cache: CacheConfig
+    # An fp8 pool's per-layer checkpoint scales (None: dynamic per-token scales).
+    fixed_scales: tuple[FixedScales, ...] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -54,7 +63,9 @@ def plan_cache(
     if max_len > loaded.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds {loaded.context_limit}")
     batched = sched.max_num_batched_tokens or max(2048, min(max_len, 8192))
-    shape = CacheShape.of(loaded.model, cache.block_size, dtype, loaded.num_kv_heads)
+    shape = CacheShape.of(
+        loaded.model, cache.block_size, dtype, loaded.num_kv_heads, cache.kv_cache_dtype
+    )
     explicit = cache.num_blocks is not None or cache.kv_cache_memory is not None
     peak = None
     if device.type == "cuda" and not explicit:
@@ -83,6 +94,9 @@ def plan_cache(
         num_blocks = comm.min_int(size(num_blocks, 1, 0), device)
         num_cpu_blocks = comm.min_int(num_cpu_blocks, device)
     blocks = size(num_blocks, max_len, min_blocks)
+    fixed = None
+    if cache.kv_cache_dtype in (KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2):
+        fixed = loaded.kv_scales  # calibrated per-tensor scales win over dynamic ones
     return CachePlan(
         shape,
         dataclasses.replace(sched, max_model_len=max_len, max_num_batched_tokens=batched),
@@ -92,4 +106,5 @@ def plan_cache(
             num_cpu_blocks=num_cpu_blocks,
             sliding_window=loaded.sliding_window,
         ),
+        fixed,
     )

@@ -36,8 +36,10 @@ from transformers import (
 )
 
 from quire_engine.core.sampling_params import SamplingParams
+from quire_engine.kernels.kv_quant import FixedScales
 from quire_engine.model import attention, sharding, tiny_model, weights
 from quire_engine.model.collectives import Collectives
+from quire_engine.model.kv_scales import read_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class LoadedModel:
     the model asks for it. ``eos_token_ids`` are the tokens that end a generation: the
     tokenizer's EOS and every ``eos_token_id`` of ``generation_config.json``.
     ``sampling_defaults`` are the checkpoint's default sampling values (only those it sets).
+    ``kv_scales``: the checkpoint's per-layer KV cache scales (``kv_scales``), for fp8 pools.
     """
 
     model: PreTrainedModel
@@ -82,6 +85,7 @@ class LoadedModel:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     context_limit: str = "the model's max_position_embeddings"  # what sets the limit, and why
     num_kv_heads: int | None = None  # this rank's KV heads under tensor parallelism
+    kv_scales: tuple[FixedScales, ...] | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -139,6 +143,7 @@ def load(
         tokenizer: PreTrainedTokenizerBase = tiny_model.build_tokenizer()
         name, limit, generation = TINY, int(net.config.max_position_embeddings), {}
         reason = f"the model's max_position_embeddings={limit}"
+        kv_scales = None
     else:
         path = Path(model).expanduser()
         _check_checkpoint(path, model)
@@ -170,6 +175,7 @@ def load(
                 net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         net = torch.nn.Module.to(net, device).eval()
         name = str(path)
+        kv_scales = read_kv_scales(path, int(config.num_hidden_layers))
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
     cfg = net.config
@@ -188,8 +194,9 @@ def load(
     except (ValueError, TypeError) as exc:
         raise ValueError(f"generation_config.json of {name}: {exc}") from exc
     loaded = LoadedModel(
-        net, tokenizer, name, limit, layers, tuple(sorted(eos)), defaults, reason, local_kv
-    )
+        net, tokenizer, name, limit, layers, tuple(sorted(eos)), defaults, reason, local_kv,
+        kv_scales,
+    )  # fmt: skip
     logger.info(
         "model %s ready in %.1f s: %d layers (%s), EOS ids %s, sampling defaults %s",
         name,

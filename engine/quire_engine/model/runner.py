@@ -30,33 +30,57 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from quire_engine.core.config import KVCacheDtype
 from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
 from quire_engine.cpu import decoder as decoder_cpu
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.cpu import native
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
+from quire_engine.kernels.kv_quant import SCALE_DTYPE, FixedScales, LayerKV
 from quire_engine.kernels.triton_runtime import triton_usable
 from quire_engine.model import attention
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU backend default KV space (it uses 4 GiB)
+# --kv-cache-dtype -> the pool's 8-bit element dtype (kernels.kv_quant owns the format).
+KV_STORAGE = {
+    KVCacheDtype.INT8: torch.int8,
+    KVCacheDtype.FP8_E4M3: torch.float8_e4m3fn,
+    KVCacheDtype.FP8_E5M2: torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class CacheShape:
+    """One rank's block shape. ``dtype`` is the model's (what K/V arrive in); ``kv_dtype`` what
+    the pool stores: the model's dtype (``AUTO``) or 8 bits plus a float32 scale per token and
+    KV head."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The pools' element dtype."""
+        kv = self.kv_dtype.canonical
+        return self.dtype if kv is KVCacheDtype.AUTO else KV_STORAGE[kv]
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype.quantized
 
     @property
     def bytes_per_token(self) -> int:
-        # K and V, every layer: 2 * layers * kv_heads * head_dim * dtype_bytes.
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+        # K and V, every layer: 2 * layers * kv_heads * (head_dim * element bytes + scale bytes).
+        item = self.storage_dtype.itemsize
+        scale = SCALE_DTYPE.itemsize if self.quantized else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * item + scale)
 
     @property
     def bytes_per_block(self) -> int:
@@ -69,13 +93,14 @@ class CacheShape:
         block_size: int,
         dtype: torch.dtype,
         num_kv_heads: int | None = None,
+        kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
     ) -> CacheShape:
         """``num_kv_heads``: this rank's share under tensor parallelism (default: the model's)."""
         cfg: Any = model.config
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads
-        return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_dtype)
 
 
 class ForwardObserver(Protocol):
@@ -111,11 +136,13 @@ class ModelRunner:
         device: torch.device,
         layers: Sequence[attention.LayerAttention] = (),
         native_linears: bool = True,
+        fixed_scales: Sequence[FixedScales] | None = None,
     ) -> None:
         """``layers``: every layer's attention as ``attention.inspect_layers`` audited it
         (the loader's ``LoadedModel.layers``); without it the native decoder stays off.
         ``native_linears=False`` keeps the model's own linear modules and the native decoder
-        off (tensor parallelism: the sharded modules communicate)."""
+        off (tensor parallelism: the sharded modules communicate). ``fixed_scales``: an 8-bit
+        pool's per-layer checkpoint scales (None: dynamic per-token scales)."""
         attention.register()
         model.set_attn_implementation(attention.ATTENTION_NAME)
         self.model = model
@@ -126,7 +153,10 @@ class ModelRunner:
         # logs why not otherwise): it reads blocks in place instead of gathering them.
         self.native_decode = (
             native.paged_decode()
-            if device.type == "cpu" and not self.use_triton and shape.dtype == torch.float32
+            if device.type == "cpu"
+            and not self.use_triton
+            and shape.dtype == torch.float32
+            and not shape.quantized
             else None
         )
         # Matmuls of a few rows (small-batch decode) through the native kernel on CPU: the BLAS
@@ -137,14 +167,32 @@ class ModelRunner:
             if kernel is not None:
                 self.native_linears = linear_cpu.install(model, kernel)
         block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
-        # Zero-initialised: padded reads past a sequence's end must see finite values.
-        # Per layer: [num_blocks, block_size, kv_heads, head_dim].
-        pool, count = (num_blocks, *block), shape.num_layers
-        self.k_caches = [zeroed(pool, shape.dtype, device) for _ in range(count)]
-        self.v_caches = [zeroed(pool, shape.dtype, device) for _ in range(count)]
-        self.cpu_k_caches = self._swap_pool(num_cpu_blocks, block)
-        self.cpu_v_caches = self._swap_pool(num_cpu_blocks, block)
-        self._kv_pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+        # Zero-initialised: padded reads past a sequence's end must see finite values (an 8-bit
+        # zero is 0.0 in every format, and a zero scale reads back as 0).
+        # Per layer: [num_blocks, block_size, kv_heads, head_dim] of the storage dtype, and for
+        # 8-bit pools [num_blocks, block_size, kv_heads] float32 scales.
+        pool, count, kind = (num_blocks, *block), shape.num_layers, shape.storage_dtype
+        self.k_caches = [zeroed(pool, kind, device) for _ in range(count)]
+        self.v_caches = [zeroed(pool, kind, device) for _ in range(count)]
+        scales = count if shape.quantized else 0
+        self.k_scales = [zeroed(pool[:3], SCALE_DTYPE, device) for _ in range(scales)]
+        self.v_scales = [zeroed(pool[:3], SCALE_DTYPE, device) for _ in range(scales)]
+        self.cpu_k_caches = self._swap_pool(num_cpu_blocks, block, kind)
+        self.cpu_v_caches = self._swap_pool(num_cpu_blocks, block, kind)
+        self.cpu_k_scales = self._swap_pool(num_cpu_blocks if scales else 0, block[:2])
+        self.cpu_v_scales = self._swap_pool(num_cpu_blocks if scales else 0, block[:2])
+        if fixed_scales is not None and (not shape.quantized or len(fixed_scales) != count):
+            raise ValueError(
+                f"fixed KV scales ({len(fixed_scales)} layers) need an 8-bit pool of {count} "
+                f"layers; the pool is {shape.storage_dtype}"
+            )
+        fixed = list(fixed_scales) if fixed_scales is not None else [None] * count
+        self._kv_layers = [
+            LayerKV(k, v, ks, vs, f)
+            for k, v, ks, vs, f in itertools.zip_longest(
+                self.k_caches, self.v_caches, self.k_scales, self.v_scales, fixed
+            )
+        ]
         # Pure decode steps of a few sequences as one native call (cpu/decoder.py)
         # where the model is Llama-shaped; every other step runs the model's modules.
         self._layers = tuple(layers)
@@ -163,12 +211,14 @@ class ModelRunner:
             else lambda a: torch.from_numpy(a).to(device, non_blocking=True)
         )
 
-    def _swap_pool(self, num_cpu_blocks: int, block: tuple[int, ...]) -> list[torch.Tensor]:
-        """One layer's CPU swap blocks per layer (none without swap); pinned (page-locked at
-        once) when the device is CUDA, for asynchronous copies."""
+    def _swap_pool(
+        self, num_cpu_blocks: int, block: tuple[int, ...], dtype: torch.dtype = SCALE_DTYPE
+    ) -> list[torch.Tensor]:
+        """One layer's CPU swap blocks (of data, or of scales) per layer (none without swap);
+        pinned (page-locked at once) when the device is CUDA, for asynchronous copies."""
         if not num_cpu_blocks:
             return []
-        shape, dtype = (num_cpu_blocks, *block), self.shape.dtype
+        shape = (num_cpu_blocks, *block)
         if self.device.type == "cuda":
             return [
                 torch.zeros(shape, dtype=dtype, pin_memory=True)
@@ -248,7 +298,7 @@ class ModelRunner:
             )
         put = self._put
         md = attention.AttentionMetadata(
-            kv_caches=self._kv_pairs,
+            kv_caches=self._kv_layers,
             slot_mapping=put(x.slots),
             block_tables=put(x.tables),
             seq_lens=put(x.seq_lens.astype(np.int32)),
@@ -267,18 +317,28 @@ class ModelRunner:
         )
         return result.logits[0].float()  # [num_sampling_seqs, vocab]
 
+    @property
+    def device_pools(self) -> list[torch.Tensor]:
+        """Every block-major tensor of the device pool, data then scales: what a block is."""
+        return [*self.k_caches, *self.v_caches, *self.k_scales, *self.v_scales]
+
+    @property
+    def swap_pools(self) -> list[torch.Tensor]:
+        """The CPU swap pool's tensors, in ``device_pools``' order."""
+        return [*self.cpu_k_caches, *self.cpu_v_caches, *self.cpu_k_scales, *self.cpu_v_scales]
+
     def _move_blocks(self, plan: StepPlan) -> None:
-        # Order matters: a block freed by a swap-out may be a swap-in or CoW destination.
+        # Order matters: a block freed by a swap-out may be a swap-in or CoW destination. The
+        # scales move in the same calls as the bytes they scale.
         if plan.swap_out:
-            swap_blocks(
-                self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, plan.swap_out
-            )
+            swap_blocks(self.device_pools, self.swap_pools, plan.swap_out)
         if plan.swap_in:
-            swap_blocks(
-                self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, plan.swap_in
-            )
+            swap_blocks(self.swap_pools, self.device_pools, plan.swap_in)
         if plan.block_copies:
-            copy_blocks(self.k_caches, self.v_caches, plan.block_copies)
+            copy_blocks(
+                [*self.k_caches, *self.k_scales], [*self.v_caches, *self.v_scales],
+                plan.block_copies,
+            )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

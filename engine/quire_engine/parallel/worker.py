@@ -79,6 +79,7 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
         device=device,
         layers=loaded.layers,
         native_linears=False,
+        fixed_scales=cache.fixed_scales,
     )
     logger.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
     while True:
