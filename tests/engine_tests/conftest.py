@@ -91,3 +91,14 @@ def holder() -> EngineHolder:
 def deaths() -> list[bool]:
     """Appended to by a server's ``on_engine_death``."""
     return []
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real trained model, as a float32 checkpoint directory with its
+    tokenizer and chat template (tests/engine_tests/real_model.py): built once into the cache
+    (a 93 MB download, ~30 s), then reused by every session. Skipped when it cannot be built,
+    except under ``CI=true``, where that fails."""
+    from tests.engine_tests.real_model import require_smollm2
+
+    return require_smollm2()
