@@ -22,6 +22,8 @@ tensor, already bandwidth-bound, so a custom kernel would buy nothing.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from quire_engine.kernels.kv_quant import QMAX, FixedScales, quantize
@@ -32,20 +34,72 @@ if HAS_TRITON:
 
 
 @jit
+def _round_to_grid(y, MANT_BITS: tl.constexpr, MIN_STEP: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``y`` fp32 (any shape, within the format's range) rounded half to even onto the 8-bit
+    format's grid, still fp32, so the cast that follows is exact. A value of magnitude in
+    [2^e, 2^(e+1)) has the grid step 2^(e - MANT_BITS), never below MIN_STEP (the subnormal
+    step; int8: 1). Adding 1.5 * 2^23 steps puts the sum where fp32's own spacing is one step,
+    so the add rounds |y| to the grid half to even, and the subtraction is exact.
+
+    Why not ``y.to(fp8, fp_downcast_rounding="rtne")``: Triton's interpreter rounds fp8 casts
+    half up and mishandles steps across a binade or into subnormals, so the CPU tests could not
+    check the rule; and int8 has no rounding cast at all."""
+    a = tl.abs(y)
+    pow2 = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^e
+    step = tl.maximum(pow2 * (2.0**-MANT_BITS), MIN_STEP)
+    magic = step * 12582912.0  # 1.5 * 2^23 steps: exact (powers of two times 1.5)
+    r = (a + magic) - magic
+    # The sign back, -0 included (a negative value that rounds to zero casts to -0).
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+
+
+@jit
+def _quantize_rows(  # type: ignore[no-untyped-def]
+    x,  # fp32 [HEADS_PAD, HEAD_DIM_PAD], padded lanes 0
+    fixed,  # fp32 scalar: the checkpoint scale, used with HAS_FIXED only
+    QMAX: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_STEP: tl.constexpr,
+    HAS_FIXED: tl.constexpr,
+):
+    """kv_quant's write rule per (token, head) row: (x / scale clamped to ±QMAX and rounded
+    onto the format's grid, fp32 [HEADS_PAD, HEAD_DIM_PAD]; scale fp32 [HEADS_PAD]). Divisions
+    are IEEE (div_rn), as torch's are: ``a / b`` is an approximate division on NVIDIA GPUs."""
+    if HAS_FIXED:
+        scale = tl.zeros([x.shape[0]], dtype=tl.float32) + fixed
+    else:
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0.0, tl.math.div_rn(amax, QMAX), 1.0)
+    y = tl.math.div_rn(x, scale[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    return _round_to_grid(y, MANT_BITS, MIN_STEP), scale
+
+
+@jit
 def _write_kv_kernel(  # type: ignore[no-untyped-def]  # annotations mean types to Triton
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # same layout as k_cache
     slot_mapping_ptr,  # int64 [num_tokens]
+    k_scale_ptr,  # fp32 [num_blocks, block_size, num_kv_heads]; 8-bit caches (QUANT) only
+    v_scale_ptr,  # same layout as k_scale
+    k_fixed, v_fixed,  # fp32 checkpoint scales; used with HAS_FIXED only
     stride_kt, stride_kh, stride_vt, stride_vh,  # key, value: token, head
     stride_kcb, stride_kct, stride_kch,  # k_cache: block, slot, head
     stride_vcb, stride_vct, stride_vch,  # v_cache
+    stride_ksb, stride_kst, stride_ksh,  # k_scale: block, slot, head
+    stride_vsb, stride_vst, stride_vsh,  # v_scale
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two (tl.arange needs one)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    QUANT: tl.constexpr,  # an 8-bit cache: quantize each (token, head) row, store its scale
+    HAS_FIXED: tl.constexpr,  # 8-bit with the checkpoint's scales instead of amax / QMAX
+    QMAX: tl.constexpr,  # the 8-bit format's largest magnitude; the next two: its grid
+    MANT_BITS: tl.constexpr,
+    MIN_STEP: tl.constexpr,
 ):  # fmt: skip
     # One program per token moves all its heads: [HEADS_PAD, HEAD_DIM_PAD] of K and of V.
     token = tl.program_id(0).to(tl.int64)
@@ -59,13 +113,27 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]  # annotations mean types 
     v = tl.load(
         value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask
     )
+    if QUANT:
+        head_ok = heads < NUM_KV_HEADS
+        k, k_s = _quantize_rows(k.to(tl.float32), k_fixed, QMAX, MANT_BITS, MIN_STEP, HAS_FIXED)
+        v, v_s = _quantize_rows(v.to(tl.float32), v_fixed, QMAX, MANT_BITS, MIN_STEP, HAS_FIXED)
+        tl.store(
+            k_scale_ptr + block * stride_ksb + offset * stride_kst + heads * stride_ksh,
+            k_s,
+            mask=head_ok,
+        )
+        tl.store(
+            v_scale_ptr + block * stride_vsb + offset * stride_vst + heads * stride_vsh,
+            v_s,
+            mask=head_ok,
+        )
     tl.store(
         k_cache_ptr
         + block * stride_kcb
         + offset * stride_kct
         + heads[:, None] * stride_kch
         + dims[None, :],
-        k,
+        k.to(k_cache_ptr.dtype.element_ty),  # 8-bit: exact, the values lie on the grid
         mask=mask,
     )
     tl.store(
@@ -74,9 +142,30 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]  # annotations mean types 
         + offset * stride_vct
         + heads[:, None] * stride_vch
         + dims[None, :],
-        v,
+        v.to(v_cache_ptr.dtype.element_ty),
         mask=mask,
     )
+
+
+def _write_config(
+    cache_dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int, fixed: bool
+) -> dict[str, object]:
+    """Constexprs of ``_write_kv_kernel`` for a cache of ``cache_dtype``. The 8-bit grid comes
+    from torch's own description of the format: fp8 steps are 2^-MANT_BITS of the binade
+    (``finfo.eps``), subnormals step ``smallest_normal * eps``; int8 steps by 1 (MANT_BITS 7:
+    every |x| <= 127 lies below 2^7)."""
+    quant = cache_dtype in QMAX
+    mant_bits, min_step = 7, 1.0
+    if quant and cache_dtype.is_floating_point:
+        info = torch.finfo(cache_dtype)
+        mant_bits, min_step = round(-math.log2(info.eps)), info.smallest_normal * info.eps
+    return {
+        "BLOCK_SIZE": block_size, "NUM_KV_HEADS": num_kv_heads,
+        "HEADS_PAD": 1 << (num_kv_heads - 1).bit_length(), "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": 1 << (head_dim - 1).bit_length(), "QUANT": quant,
+        "HAS_FIXED": quant and fixed, "QMAX": QMAX.get(cache_dtype, 0.0),
+        "MANT_BITS": mant_bits, "MIN_STEP": min_step,
+    }  # fmt: skip
 
 
 def _check_write(
@@ -171,29 +260,40 @@ def write_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    fixed: FixedScales | None = None,
 ) -> None:
-    """The Triton launcher behind :func:`write_kv` (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    _check_write(key, value, k_cache, v_cache, slot_mapping)
-    if k_cache.dtype in QMAX:
-        raise ValueError("the Triton write kernel has no 8-bit path yet")
+    """The Triton launcher behind :func:`write_kv` (CUDA, or CPU under TRITON_INTERPRET=1):
+    the same bytes and scales as :func:`write_kv_reference`, 8-bit caches included."""
+    _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous")
+    quant = k_scale is not None
+    if quant and fixed is not None and not all(0 < f < math.inf for f in fixed):
+        # kv_quant.quantize's check, so both paths refuse the same scales
+        raise ValueError(f"a fixed KV scale must be positive and finite, got {fixed!r}")
     check_launchable(key.device, "write_kv")
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    has_fixed = quant and fixed is not None  # (the reference ignores them for other caches)
+    config = _write_config(k_cache.dtype, block_size, num_kv_heads, head_dim, has_fixed)
+    # The fixed scales rounded to float32, as kv_quant's torch.full stores them.
+    k_fixed, v_fixed = torch.tensor(fixed or (1.0, 1.0), dtype=torch.float32).tolist()
+    ks = (0, 0, 0) if k_scale is None else k_scale.stride()
+    vs = (0, 0, 0) if v_scale is None else v_scale.stride()
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_fixed, v_fixed,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=1 << (num_kv_heads - 1).bit_length(), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=1 << (head_dim - 1).bit_length(),
+        *ks, *vs, **config,
     )  # fmt: skip
 
 
@@ -210,13 +310,8 @@ def write_kv(
 ) -> None:
     """Write new K/V into their slots (quantizing into an 8-bit cache, see
     ``write_kv_reference``): the Triton kernel on CUDA, ``index_put_`` elsewhere."""
-    if triton_usable(key.device) and k_scale is None:
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        write_kv_reference(
-            key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
-            fixed=fixed,
-        )  # fmt: skip
+    write = write_kv_triton if triton_usable(key.device) else write_kv_reference
+    write(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, fixed=fixed)
 
 
 def _pair_indices(

@@ -12,6 +12,12 @@ K/V tile is loaded once for the whole group. A split walks its share of the cont
 ``BLOCK_N`` positions with an online softmax in fp32. With one split the program writes the final
 output; with several it writes a partial output and its log-sum-exp, and stage 2 merges them.
 Splits keep the GPU busy when there are few (sequence, KV head) pairs and long contexts.
+
+8-bit caches (``kv_quant``; the constexpr ``KV8``): the K/V tiles are loaded as int8 / fp8 with
+their per-token scales ``[BLOCK_N]`` and dequantized after the load, exactly up to fp32
+rounding: every 8-bit value converts exactly to q's dtype, the K scale multiplies its column of
+scores, the V scale its column of P (or, for fp16 queries, the V tile). q and the output stay in
+the model's dtype; the 16- and 32-bit paths compile as before.
 """
 
 from __future__ import annotations
@@ -47,12 +53,16 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [num_seqs]
     query_start_loc_ptr,  # int32 [num_seqs + 1]
+    k_scale_ptr,  # fp32 [num_blocks, block_size, num_kv_heads]: 8-bit caches (KV8) only
+    v_scale_ptr,  # same layout as k_scale
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
     window,  # sliding window W (positions p - W < pos <= p are visible); unused without HAS_WINDOW
     softcap,  # logit soft-cap c; unused without HAS_SOFTCAP
     stride_qt, stride_qh,  # q: token, head
     stride_kb, stride_kt, stride_kh,  # k_cache: block, slot, head
     stride_vb, stride_vt, stride_vh,  # v_cache
+    stride_ksb, stride_kst, stride_ksh,  # k_scale: block, slot, head (KV8 only)
+    stride_vsb, stride_vst, stride_vsh,  # v_scale
     stride_ot, stride_oh, stride_os,  # out: token, head, split (0 with one split)
     stride_lt, stride_lh,  # lse: token, head
     stride_bt,  # block_tables: sequence
@@ -68,6 +78,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so tests match the reference; else unused
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV8: tl.constexpr,  # 8-bit caches: dequantize each tile with its per-token scales
+    V_SCALE_ON_P: tl.constexpr,  # KV8: scale P's columns (bf16, fp32) or the V tile (fp16)
 ):  # fmt: skip
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -132,7 +144,19 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
             mask=pos_ok[None, :] & dim_ok[:, None],
             other=0.0,
         )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if KV8:
+            # int8 and both fp8 formats convert exactly to q's dtype, so q . k8 is exact up to
+            # the dot's fp32 accumulation, and the key's scale factors out of its column of
+            # scores: s[:, n] = (q . k8[n]) * k_scale[n]. Masked positions get scale 0.
+            k_s = tl.load(
+                k_scale_ptr + block * stride_ksb + slot * stride_kst + kv_head * stride_ksh,
+                mask=pos_ok,
+                other=0.0,
+            )  # [BLOCK_N]
+            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+            s = s * (k_s * scale_log2)[None, :]  # [BLOCK_M, BLOCK_N]
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             # c * tanh(x / c) in log2 units, tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both
             # ends (exp2 overflows to inf, giving 1; underflows to 0, giving -1).
@@ -155,7 +179,25 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # annotations mean
             mask=pos_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV8:
+            v_s = tl.load(
+                v_scale_ptr + block * stride_vsb + slot * stride_vst + kv_head * stride_vsh,
+                mask=pos_ok,
+                other=0.0,
+            )  # [BLOCK_N]
+            if V_SCALE_ON_P:
+                # sum_n p[:, n] * v_scale[n] * v8[n]: the scale goes on P's column n, which in
+                # bf16 or fp32 (fp32's exponent range) rounds like p itself; v8 stays exact.
+                p_v = (p * v_s[None, :]).to(q.dtype)
+                v = v.to(q.dtype)
+            else:
+                # fp16: p * v_scale would sink into fp16's subnormals (e5m2 scales are amax /
+                # 57344), so dequantize the tile instead: v8 * v_scale rounds once to fp16.
+                p_v = p.to(q.dtype)
+                v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+        else:
+            p_v = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0  # false for padding rows and for rows whose keys all lie in other splits
@@ -245,8 +287,12 @@ def _stage1_config(
     head_dim: int,
     block_size: int,
     max_query_len: int,
+    *,
+    kv8: bool = False,
 ) -> dict[str, Any]:
-    """Constexprs (all but NUM_SPLITS) and ``num_warps`` of the stage-1 kernel.
+    """Constexprs (all but NUM_SPLITS, HAS_WINDOW, HAS_SOFTCAP) and ``num_warps`` of the stage-1
+    kernel for queries of ``dtype``; ``kv8``: over 8-bit caches (same tiles: an 8-bit tile is
+    converted to ``dtype`` before its dot).
 
     The tile sizes compile for sm_90 without register spills (checked with ptxas for head sizes
     64..256 and group sizes 1..8); fp32 tiles are half the 16-bit ones."""
@@ -266,6 +312,8 @@ def _stage1_config(
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PAD": head_dim_pad,
         "DOT_PRECISION": "ieee" if fp32 else "tf32",
+        "KV8": kv8,
+        "V_SCALE_ON_P": dtype != torch.float16,
         "num_warps": 4 if block_m <= 16 else 8,
     }
 
@@ -303,9 +351,7 @@ def paged_attention(inputs: PagedAttentionInputs, *, num_splits: int | None = No
     """
     check_inputs(inputs)
     (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-     max_seq_len, sliding_window, softcap, k_scale, _v_scale) = inputs  # fmt: skip
-    if k_scale is not None:
-        raise ValueError("the Triton attention kernel has no 8-bit path yet")
+     max_seq_len, sliding_window, softcap, k_scale, v_scale) = inputs  # fmt: skip
     if q.device.type == "cpu":
         check_values(inputs)
     if num_splits is not None and num_splits < 1:
@@ -318,7 +364,12 @@ def paged_attention(inputs: PagedAttentionInputs, *, num_splits: int | None = No
     if num_tokens == 0:
         return out
 
-    config = _stage1_config(q.dtype, num_heads, num_kv_heads, head_dim, block_size, max_query_len)
+    kv8, scale_strides = False, (0,) * 6  # the strides are unused without KV8
+    if k_scale is not None and v_scale is not None:  # check_inputs: both or neither
+        kv8, scale_strides = True, (*k_scale.stride(), *v_scale.stride())
+    config = _stage1_config(
+        q.dtype, num_heads, num_kv_heads, head_dim, block_size, max_query_len, kv8=kv8
+    )
     num_q_blocks = -(-max_query_len // config["BLOCK_Q"])
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.device.type == "cuda" else 8
@@ -338,13 +389,14 @@ def paged_attention(inputs: PagedAttentionInputs, *, num_splits: int | None = No
         lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_split_stride = part.stride(2)
     _paged_attention_kernel[(num_seqs, num_q_blocks, num_kv_heads * num_splits)](
-        q, k_cache, v_cache, part, lse, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, part, lse, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         float(scale) * _LOG2E,
         sliding_window or 0,
         float(softcap or 0.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
         part.stride(0), part.stride(1), part_split_stride,
         lse.stride(0), lse.stride(1),
         block_tables.stride(0),

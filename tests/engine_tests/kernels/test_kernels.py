@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from quire_engine.bench import kernel as kernel_bench
 from quire_engine.kernels import paged_attention_reference as reference_module
 from quire_engine.kernels.kv_cache_ops import (
+    _write_config,
     _write_kv_kernel,
     copy_blocks,
     swap_blocks,
@@ -74,17 +75,17 @@ def interpret() -> None:
         pytest.skip("run by test_triton_interpreter_suite in a child process")
 
 
-@pytest.mark.slow  # a child pytest under the interpreter: ~30 s
-def test_triton_interpreter_suite() -> None:
-    """Run this file's ``test_interpreted_*`` tests in a child pytest that starts with
-    TRITON_INTERPRET=1 (see the module docstring)."""
+def run_interpreter_suite(test_file: str) -> None:
+    """Run ``test_file``'s ``test_interpreted_*`` tests in a child pytest that starts with
+    TRITON_INTERPRET=1 (see the module docstring), failing with its output if any fails or
+    skips."""
     if LIVE:
         pytest.skip("the interpreter is live in this process: the tests ran here")
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     root = Path(__file__).resolve().parents[3]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "interpreted",
+        [sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q", "-k", "interpreted",
          "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning"],
         cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
         timeout=900,
@@ -92,6 +93,12 @@ def test_triton_interpreter_suite() -> None:
     summary = result.stdout.strip().splitlines()[-1:] if result.stdout.strip() else []
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
     assert summary and " passed" in summary[0] and "skipped" not in summary[0], summary
+
+
+@pytest.mark.slow  # a child pytest under the interpreter: ~30 s
+def test_triton_interpreter_suite() -> None:
+    """This file's ``test_interpreted_*`` tests, under the interpreter."""
+    run_interpreter_suite(__file__)
 
 
 @dataclass
@@ -458,9 +465,13 @@ def test_package_imports_without_triton() -> None:
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _compile_for_hopper(kernel: object, pointers: dict[str, str], config: dict[str, Any]) -> None:
-    """Compile a kernel to a cubin for sm_90 with triton's own ptxas: no GPU needed. Integer
-    arguments are i32 and, like the strides the launchers pass, divisible by 16."""
+_FLOAT_ARGS = ("scale_log2", "softcap", "k_fixed", "v_fixed")  # the kernels' fp32 scalars
+
+
+def _compile_for_hopper(kernel: object, pointers: dict[str, str], config: dict[str, Any]) -> Any:
+    """Compile a kernel to a cubin for sm_90 with triton's own ptxas: no GPU needed; returns
+    triton's compiled kernel. Integer arguments are i32 and, like the strides the launchers
+    pass, divisible by 16; pointers not in ``pointers`` (unused ones) are typed i32 too."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -470,7 +481,7 @@ def _compile_for_hopper(kernel: object, pointers: dict[str, str], config: dict[s
     signature = {
         n: "constexpr"
         if n in constexprs
-        else pointers.get(n, "fp32" if n in ("scale_log2", "softcap") else "i32")
+        else pointers.get(n, "fp32" if n in _FLOAT_ARGS else "i32")
         for n in names
     }
     attrs = {
@@ -484,22 +495,44 @@ def _compile_for_hopper(kernel: object, pointers: dict[str, str], config: dict[s
         options={"num_warps": config.get("num_warps", 4)},
     )
     assert compiled.asm["cubin"]
+    return compiled
+
+
+_TRITON_8BIT = {torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+_I8, _E4M3, _E5M2 = _TRITON_8BIT  # 8-bit KV caches (issue 39)
 
 
 @pytest.mark.skipif(LIVE, reason="kernels are wrapped for the interpreter in this process")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 @pytest.mark.parametrize(
-    ("dtype", "heads", "kv_heads", "head_dim", "block_size", "max_query_len", "splits", "gemma2"),
+    ("dtype", "heads", "kv_heads", "head_dim", "block_size", "max_query_len", "splits", "gemma2",
+     "kv_dtype"),
     [
-        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 1, False, id="bf16-decode-bench-shape"),
-        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 4, False, id="bf16-decode-splits"),
-        pytest.param(torch.bfloat16, 16, 2, 64, 128, 512, 1, False, id="bf16-prefill-gqa8"),
-        pytest.param(torch.float32, 8, 8, 128, 16, 256, 2, False, id="fp32-prefill-splits"),
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 1, False, None,
+                     id="bf16-decode-bench-shape"),
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 4, False, None, id="bf16-decode-splits"),
+        pytest.param(torch.bfloat16, 16, 2, 64, 128, 512, 1, False, None, id="bf16-prefill-gqa8"),
+        pytest.param(torch.float32, 8, 8, 128, 16, 256, 2, False, None, id="fp32-prefill-splits"),
         # Gemma 2's shape: head_dim 256, a sliding window and a soft-cap.
-        pytest.param(torch.bfloat16, 16, 8, 256, 16, 1, 2, True, id="bf16-window-softcap-d256"),
-        pytest.param(torch.bfloat16, 16, 8, 256, 16, 128, 1, True, id="bf16-window-prefill"),
+        pytest.param(torch.bfloat16, 16, 8, 256, 16, 1, 2, True, None,
+                     id="bf16-window-softcap-d256"),
+        pytest.param(torch.bfloat16, 16, 8, 256, 16, 128, 1, True, None,
+                     id="bf16-window-prefill"),
+        # 8-bit caches: every format on the bench's bf16 decode shape, and each meets another
+        # path (fp16 queries dequantize the V tile; fp32; Gemma 2's window and soft-cap). The
+        # write compiles with dynamic scales, and with fixed ones on the Gemma 2 shape.
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 1, False, _I8, id="i8-bf16-decode"),
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 4, False, _E4M3,
+                     id="e4m3-bf16-decode-splits"),
+        pytest.param(torch.bfloat16, 32, 8, 128, 16, 1, 1, False, _E5M2, id="e5m2-bf16-decode"),
+        pytest.param(torch.float16, 16, 2, 64, 128, 512, 1, False, _E5M2,
+                     id="e5m2-fp16-prefill-gqa8"),
+        pytest.param(torch.float32, 8, 8, 128, 16, 256, 2, False, _I8,
+                     id="i8-fp32-prefill-splits"),
+        pytest.param(torch.bfloat16, 16, 8, 256, 16, 128, 2, True, _E4M3,
+                     id="e4m3-bf16-window-softcap-d256"),
     ],
-)
+)  # fmt: skip
 def test_kernels_compile_for_hopper(
     dtype: torch.dtype,
     heads: int,
@@ -509,36 +542,42 @@ def test_kernels_compile_for_hopper(
     max_query_len: int,
     splits: int,
     gemma2: bool,
+    kv_dtype: torch.dtype | None,
 ) -> None:
     """The interpreter does not type-check like the compiler; this builds the CUDA path (stage
-    1, the merge and write_kv) for an H100/H200 on a machine without one."""
+    1, the merge and write_kv) for an H100/H200 on a machine without one. With ``kv_dtype``
+    the caches are 8-bit (``tl.float8e4nv``, ``tl.float8e5``, ``i8``) with fp32 scales, and the
+    write is the quantizing one."""
     import triton
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("triton has no NVIDIA backend here")
     elem = "*" + _TRITON_TYPES[dtype]
+    cache = elem if kv_dtype is None else "*" + _TRITON_8BIT[kv_dtype]
     part = elem if splits == 1 else "*fp32"
-    config = _stage1_config(dtype, heads, kv_heads, head_dim, block_size, max_query_len)
+    kv8 = kv_dtype is not None
+    config = _stage1_config(dtype, heads, kv_heads, head_dim, block_size, max_query_len, kv8=kv8)
     pointers = {
-        "q_ptr": elem, "k_cache_ptr": elem, "v_cache_ptr": elem, "out_ptr": part, "lse_ptr": part,
-        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+        "q_ptr": elem, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": part,
+        "lse_ptr": part, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
     }  # fmt: skip
     flags = {"HAS_WINDOW": gemma2, "HAS_SOFTCAP": gemma2}
     _compile_for_hopper(
         _paged_attention_kernel, pointers, {**config, **flags, "NUM_SPLITS": splits}
     )
-    if splits > 1:
+    if splits > 1 and not kv8:
         pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": elem}
         _compile_for_hopper(_merge_splits_kernel, pointers, _merge_config(heads, splits, head_dim))
-    elif max_query_len == 1:
-        pointers = {n: elem for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
-        write_config = {
-            "BLOCK_SIZE": block_size, "NUM_KV_HEADS": kv_heads, "HEADS_PAD": kv_heads,
-            "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim,
+    elif max_query_len == 1 or kv8:
+        pointers = {
+            "key_ptr": elem, "value_ptr": elem, "k_cache_ptr": cache, "v_cache_ptr": cache,
+            "slot_mapping_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
         }  # fmt: skip
-        _compile_for_hopper(
-            _write_kv_kernel, {**pointers, "slot_mapping_ptr": "*i64"}, write_config
+        write_config = _write_config(
+            kv_dtype or dtype, block_size, kv_heads, head_dim, fixed=kv8 and gemma2
         )
+        _compile_for_hopper(_write_kv_kernel, pointers, write_config)
 
 
 # ---------------------------------------------------------------------------------------------
