@@ -38,9 +38,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RESULTS/
 "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
     torch.cuda.get_device_name())' | tee "$RESULTS/versions.txt"
 
-# 1. Triton kernels vs their torch references on CUDA (fp32 and bf16), write_kv, swap, bench smoke.
+# 1. Triton kernels vs their torch references on CUDA (fp32 and bf16), write_kv, swap, bench smoke;
+#    over 8-bit KV caches (int8, fp8 e4m3/e5m2): the quantizing write bit-exact, attention within
+#    vLLM's fp8-KV tolerance, and the engine end to end with --kv-cache-dtype.
+KERNEL_TESTS=(tests/engine_tests/kernels/test_kernels.py tests/engine_tests/kernels/test_triton_kv8.py)
 step "kernel tests (pytest -m gpu)" kernel-tests.log \
-    "$PYTHON" -m pytest -m gpu tests/engine_tests/kernels/test_kernels.py -q -rs
+    "$PYTHON" -m pytest -m gpu "${KERNEL_TESTS[@]}" -q -rs
 
 # 2. Decode attention bandwidth: batch 64, context 2048, 32/8 heads, head size 128, bf16,
 #    against torch SDPA on a contiguous cache; fraction of the H200's 4.8 TB/s.
@@ -50,7 +53,7 @@ step "bench kernel" bench-kernel.json "${QUIRE[@]}" bench kernel --json --peak-g
 #    for every architecture; bf16 logits within tolerance on a ~134M-parameter Llama, printing
 #    where greedy outputs first diverge (-s keeps that JSON line in the log).
 gpu_tests_outside_kernels() {  # pytest exits 5 when it collects nothing: not a failure here
-    "$PYTHON" -m pytest -m gpu tests -q -rs -s --ignore=tests/engine_tests/kernels/test_kernels.py
+    "$PYTHON" -m pytest -m gpu tests -q -rs -s "${KERNEL_TESTS[@]/#/--ignore=}"
     local rc=$?
     [[ $rc -eq 5 ]] && echo "(no gpu tests outside the kernels yet)" && return 0
     return $rc
