@@ -28,6 +28,7 @@ BENCHES = {
     "structured": "structured outputs: constrained vs unconstrained throughput, compile time, TTFT",
     "load": "loading a safetensors checkpoint, by loader: seconds and peak resident memory",
     "startup": "cold start of serve by phase (tiny and 32m): weights, KV pool, warm-up, ready",
+    "kv_cache": "KV cache formats side by side: capacity, KV-limited throughput, accuracy",
 }
 
 

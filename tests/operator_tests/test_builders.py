@@ -74,6 +74,7 @@ def example_args() -> list[str]:
     return [
         *TINY_ON_GPU,
         "--dtype", "auto",
+        "--kv-cache-dtype", "auto",
         "--block-size", "16",
         "--gpu-memory-utilization", "0.9",
         "--max-num-seqs", "256",
@@ -193,11 +194,13 @@ def test_engine_settings_become_flags() -> None:
         "preemptionMode": "swap",
         "swapSpaceGiB": 8.5,
         "dtype": "bfloat16",
+        "kvCacheDtype": "fp8",
         "extraArgs": ["--max-waiting", "128", "--seed=7"],
     }
     assert engine_args(isvc(engine=engine)) == [
         *TINY_ON_GPU,
         "--dtype", "bfloat16",
+        "--kv-cache-dtype", "fp8",
         "--block-size", "32",
         "--gpu-memory-utilization", "0.85",
         "--max-num-seqs", "64",

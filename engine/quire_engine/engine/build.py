@@ -115,7 +115,7 @@ def _load(
         num_blocks,
         plan.cache.block_size,
         shape.kv_dtype.value if shape.quantized else str(shape.dtype).removeprefix("torch."),
-        ("checkpoint" if plan.fixed_scales else "per-token") if shape.quantized else "no",
+        runner.kv_scales if shape.quantized else "no",
         shape.bytes_per_token,
         num_blocks * shape.bytes_per_block / 2**20,
         num_cpu_blocks,

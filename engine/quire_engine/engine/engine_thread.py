@@ -62,6 +62,7 @@ class ModelInfo:
     vocab_size: int = 0  # the model's (token ids must be below it)
     # Structured outputs: the engine's compiled grammars (compile() is thread-safe).
     grammars: GrammarCache | None = None
+    kv_cache_dtype: str = "auto"  # what the KV pool stores (--kv-cache-dtype, canonical name)
 
 
 @dataclass(slots=True)
@@ -171,6 +172,7 @@ class EngineThread:
                 engine.sampling_defaults,
                 engine.vocab_size,
                 engine.grammars,
+                engine.scheduler.cache_config.kv_cache_dtype.value,
             )
             engine.startup.ready()
             recorder = StatsRecorder(self.metrics, engine.scheduler.stats(), EngineFacts.of(engine))

@@ -52,6 +52,8 @@ class EngineFacts:
     gpu_memory_utilization: float
     swap_space: float
     startup: Mapping[StartupPhase, float] = field(default_factory=dict)  # seconds per phase
+    kv_bytes_per_token: int = 0  # one token's K and V in every layer, scales included
+    kv_scales: str = "none"  # none, dynamic or checkpoint (ModelRunner.kv_scales)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
@@ -62,6 +64,8 @@ class EngineFacts:
             cache.gpu_memory_utilization,
             cache.swap_space,
             dict(engine.startup.seconds),
+            engine.runner.shape.bytes_per_token,
+            engine.runner.kv_scales,
         )
 
 
@@ -90,6 +94,17 @@ class ServerMetrics:
         )
         self.kv_blocks_free = self._gauge(
             "quire_kv_blocks_free", "Unreferenced KV blocks (including cached prefixes)."
+        )
+        # Set once when the engine is ready; no vLLM twin (vllm:cache_config_info carries
+        # cache_dtype only).
+        self._kv_info = Gauge(
+            "quire_kv_cache_info",
+            "1, labelled with what the KV pool stores: cache_dtype (auto, fp8_e4m3, fp8_e5m2, "
+            "int8; auto is the model's dtype), scales (none, dynamic: per token and KV head, "
+            "checkpoint: the checkpoint's per-layer fp8 scales) and bytes_per_token (K and V "
+            "of every layer, scales included).",
+            ["model_name", "cache_dtype", "scales", "bytes_per_token"],
+            registry=self.registry,
         )
         self.running = self._gauge("quire_num_requests_running", "Sequences running on the device.")
         self.waiting = self._gauge(
@@ -218,6 +233,8 @@ class ServerMetrics:
         """Called once, on the engine thread, when the engine is loaded and before it serves."""
         for phase, seconds in facts.startup.items():
             self._startup.labels(self.model_name, phase).set(seconds)
+        kv = facts.cache.kv_cache_dtype.value, facts.kv_scales, str(facts.kv_bytes_per_token)
+        self._kv_info.labels(self.model_name, *kv).set(1)
         bounds = buckets_1_2_5(facts.max_model_len)
         for histogram in self._token_histograms:
             histogram.set_bounds(bounds)

@@ -261,11 +261,11 @@ def cache_config_labels(
     cache: CacheConfig, gpu_memory_utilization: float, swap_space: float
 ) -> dict[str, str]:
     """``vllm:cache_config_info``'s labels: the fields of vLLM's ``CacheConfig`` Quire has, as
-    vLLM writes them (``str`` of the value). Quire keeps K/V in the model's dtype, which is what
-    vLLM's ``cache_dtype="auto"`` means."""
+    vLLM writes them (``str`` of the value); ``cache_dtype`` is ``--kv-cache-dtype`` (``auto``:
+    the model's dtype)."""
     return {
         "block_size": str(cache.block_size),
-        "cache_dtype": "auto",
+        "cache_dtype": cache.kv_cache_dtype.value,
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "gpu_memory_utilization": str(gpu_memory_utilization),
         "num_cpu_blocks": str(cache.num_cpu_blocks),

@@ -109,6 +109,7 @@ class Endpoints:
                 "owned_by": "quire",
                 "root": info.model_name if info else None,
                 "max_model_len": info.max_model_len if info else None,
+                "kv_cache_dtype": info.kv_cache_dtype if info else None,
             }
             for name in self.served_model_names
         ]

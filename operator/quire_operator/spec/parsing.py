@@ -108,6 +108,7 @@ def parse_engine(engine: Mapping[str, Any]) -> EngineSpec:
         swap_space_gib=float(engine["swapSpaceGiB"]),
         dtype=engine["dtype"],
         extra_args=tuple(engine.get("extraArgs") or ()),
+        kv_cache_dtype=engine["kvCacheDtype"],
         shutdown_timeout_s=engine["shutdownTimeoutSeconds"],
         pre_stop_delay_s=engine["preStopDelaySeconds"],
     )

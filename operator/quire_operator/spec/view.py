@@ -104,6 +104,8 @@ class EngineSpec:
     swap_space_gib: float
     dtype: str
     extra_args: tuple[str, ...]
+    # What the KV pool stores (--kv-cache-dtype): auto (the model's dtype) or an 8-bit format.
+    kv_cache_dtype: str = "auto"
     # Drain on SIGTERM (``--shutdown-timeout``): in-flight requests get this long to finish.
     shutdown_timeout_s: int = 30
     # preStop sleep before SIGTERM, so endpoints drop the pod before the engine stops taking work.
