@@ -364,9 +364,10 @@ def paged_attention(inputs: PagedAttentionInputs, *, num_splits: int | None = No
     if num_tokens == 0:
         return out
 
-    kv8, scale_strides = False, (0,) * 6  # the strides are unused without KV8
+    kv8 = False
+    scale_strides: tuple[int, ...] = (0,) * 6  # unused without KV8
     if k_scale is not None and v_scale is not None:  # check_inputs: both or neither
-        kv8, scale_strides = True, (*k_scale.stride(), *v_scale.stride())
+        kv8, scale_strides = True, (*k_scale.stride(), *v_scale.stride())  # 2 x (block, slot, head)
     config = _stage1_config(
         q.dtype, num_heads, num_kv_heads, head_dim, block_size, max_query_len, kv8=kv8
     )

@@ -670,8 +670,8 @@ def _bad_attention_inputs() -> list[tuple[str, dict[str, object], str]]:
     )
     return [
         ("q 2-D", {"q": q[:, 0]}, "q must be"),
-        ("dtype mix", {"k_cache": k.double(), "v_cache": v.double()}, "share one of"),
-        ("int dtype", {"q": q.int(), "k_cache": k.int(), "v_cache": v.int()}, "share one of"),
+        ("dtype mix", {"k_cache": k.double(), "v_cache": v.double()}, "q must be one of"),
+        ("int dtype", {"q": q.int(), "k_cache": k.int(), "v_cache": v.int()}, "q must be one of"),
         ("v shape", {"v_cache": v[:, :4]}, "v_cache shape"),
         ("head_dim", {"q": torch.randn(5, 4, 8)}, "head_dim"),
         ("gqa", {"q": torch.randn(5, 3, 16)}, "multiple of num_kv_heads"),
