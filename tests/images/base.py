@@ -78,10 +78,15 @@ def dockerfile_base() -> BaseImage:
 
 
 def ensure_base(store: Store) -> BaseImage:
-    """The stand-in in ``store``, made if it is missing or its recipe changed."""
+    """The stand-in in ``store``, made if it is missing or its recipe changed (the caller holds
+    the store's lock)."""
     base = dockerfile_base()
-    if _recipe_of(store, base.reference) == base.recipe_digest():
-        return base
+    if _recipe_of(store, base.reference) != base.recipe_digest():
+        _make(store, base)
+    return base
+
+
+def _make(store: Store, base: BaseImage) -> None:
     print(f"tests.images: making the stand-in for {base.reference} with mmdebstrap", flush=True)
     with tempfile.TemporaryDirectory(prefix="quire-base-") as tmp:
         rootfs = Path(tmp) / "rootfs.tar"
@@ -110,7 +115,6 @@ def ensure_base(store: Store) -> BaseImage:
         except BaseException:
             store.buildah("rm", container)
             raise
-    return base
 
 
 def _recipe_of(store: Store, reference: str) -> str | None:

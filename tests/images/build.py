@@ -87,11 +87,9 @@ def build_image(kind: ImageKind, out: Path | None = None, store: Store | None = 
     with store.locked():
         started = time.monotonic()
         base = ensure_base(store)
-        mounts: list[str] = []
         wheels = store.wheels(kind.value)
-        config = wheelhouse.fill(kind.extra, wheels, base.minor)
-        if config is not None:
-            mounts = wheelhouse.volumes(wheels, config)
+        filled = wheelhouse.fill(kind.extra, wheels, base.minor)
+        mounts = wheelhouse.volumes(store.pip_config(kind.value), wheels if filled else None)
         stage = f"localhost/{kind.repository}-build:{version}"
         _bud(store, kind, mounts, "--target=build", f"--tag={stage}")
         _bud(store, kind, mounts, f"--tag={local}")

@@ -5,9 +5,10 @@ Ownership: this module owns ``$QUIRE_CACHE_DIR/images`` (default ``~/.cache/quir
 - ``storage/``: buildah's container storage (overlay), a private one rather than the host's
   ``/var/lib/containers``: it holds the stand-in base, the layers ``buildah bud --layers``
   reuses, and the built images, so a warm build re-runs only the steps whose inputs changed;
-- ``wheels/<kind>/``: the wheelhouse (``wheelhouse.py``);
+- ``wheels/<kind>/`` and ``pip/<kind>/``: the wheelhouse and the build's pip configuration
+  (``wheelhouse.py``);
 - ``out/``: the exported images (``build.py``), unless the caller names another directory;
-- ``lock``: one build at a time on this cache.
+- ``build.lock``: one build at a time on this store.
 
 Every buildah and skopeo command goes through ``Store.buildah``/``Store.skopeo``, which point
 them at this storage with ``CONTAINERS_STORAGE_CONF``; the runtime state (mounts, locks) lives
@@ -48,6 +49,9 @@ class Store:
     def wheels(self, kind: str) -> Path:
         return self.root / "wheels" / kind
 
+    def pip_config(self, kind: str) -> Path:
+        return self.root / "pip" / kind
+
     @property
     def storage_conf(self) -> Path:
         return self.root / "storage.conf"
@@ -76,9 +80,11 @@ class Store:
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the cache's lock: a second build (another pytest, a person) waits for ours."""
+        """Hold the store's lock: a second build (another pytest, a person) waits for ours.
+        One lock for all: a build's pruning would otherwise remove another build's unnamed
+        intermediate images while it still makes them."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with (self.root / "lock").open("w") as handle:
+        with (self.root / "build.lock").open("w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield

@@ -1,7 +1,7 @@
 """The wheelhouse: the wheels the Dockerfiles' ``pip install`` takes from the host, not the web.
 
-Ownership: this module owns ``wheels/<kind>/`` in the store and the pip configuration file the
-build mounts (never bakes) into every ``RUN``.
+Ownership: this module owns ``wheels/<kind>/`` in the store and the pip configuration the build
+mounts (never bakes) into every ``RUN`` (``pip/<kind>/``: pip.conf and the host's CA bundle).
 
 Why not mount the host's pip cache: the Dockerfiles set ``PIP_NO_CACHE_DIR=1`` (so no cache is
 baked into a layer), and pip then ignores any cache directory whatever its configuration says.
@@ -15,8 +15,12 @@ exactly as the Dockerfile says; only where the bytes come from changes.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import ssl
 import sys
+import tomllib
 from pathlib import Path
 
 from tests.images.host import run_checked
@@ -26,22 +30,24 @@ ROOT = Path(__file__).resolve().parents[2]
 # directory: pip reads $XDG_CONFIG_DIRS/pip/pip.conf, /etc/xdg by default).
 MOUNTED_WHEELS = "/wheelhouse"
 MOUNTED_CONFIG_DIR = "/etc/xdg/pip"
-PIP_CONF = f"[global]\nfind-links = {MOUNTED_WHEELS}\n"
 # pip download's lines for each file of the resolution.
-KEPT = re.compile(r"^(?:Saved|File was already downloaded) (?P<path>\S+)$", re.M)
+KEPT = re.compile(r"^\s*(?:Saved|File was already downloaded) (?P<path>\S+)$", re.M)
 
 
-def fill(extra: str, wheels: Path, python_minor: str) -> Path | None:
-    """Download ``.[extra]``'s dependencies into ``wheels`` and drop the files no longer needed;
-    returns the pip config directory to mount, or None when this interpreter is not the image's
-    Python (its wheels would not fit: the build then downloads what it needs itself)."""
+def fill(extra: str, wheels: Path, python_minor: str) -> bool:
+    """Download ``.[extra]``'s dependencies (and the project's build requirements) into
+    ``wheels`` and drop the files no longer needed; False, and nothing done, when this
+    interpreter is not the image's Python (its wheels would not fit: the build then downloads
+    what it needs itself)."""
     ours = f"{sys.version_info.major}.{sys.version_info.minor}"
     if ours != python_minor:
         print(f"tests.images: no wheelhouse (Python {ours} here, {python_minor} in the image)")
-        return None
+        return False
     wheels.mkdir(parents=True, exist_ok=True)
     print(f"tests.images: filling the wheelhouse for .[{extra}] from pip's cache", flush=True)
-    argv = [sys.executable, "-m", "pip", "download", "--dest", str(wheels), f"{ROOT}[{extra}]"]
+    build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]
+    argv = [sys.executable, "-m", "pip", "download", "--progress-bar=off", "--dest", str(wheels)]
+    argv += [f"{ROOT}[{extra}]", *build_requires["requires"]]
     out = run_checked(["nice", "-n", "19", *argv], "pip download", quiet=True)
     kept = {Path(match["path"]).name for match in KEPT.finditer(out)}
     if not kept:
@@ -49,15 +55,26 @@ def fill(extra: str, wheels: Path, python_minor: str) -> Path | None:
     for stale in wheels.iterdir():
         if stale.is_file() and stale.name not in kept:
             stale.unlink()
-    config = wheels.parent / f"{wheels.name}.pip"
-    config.mkdir(exist_ok=True)
-    (config / "pip.conf").write_text(PIP_CONF)
-    return config
+    return True
 
 
-def volumes(wheels: Path, config: Path) -> list[str]:
-    """``buildah bud`` flags mounting the wheelhouse and its pip.conf, read-only, into RUNs."""
-    return [
-        f"--volume={wheels}:{MOUNTED_WHEELS}:ro",
-        f"--volume={config}:{MOUNTED_CONFIG_DIR}:ro",
-    ]
+def volumes(config: Path, wheels: Path | None) -> list[str]:
+    """``buildah bud`` flags mounting, read-only into every RUN, a pip configuration directory
+    (written here into ``config``) and the wheelhouse if there is one.
+
+    The configuration also names the host's CA bundle (pip's ``cert``): where HTTPS goes out
+    through a TLS-inspecting proxy, the host trusts its CA and the base image does not; the
+    bundle is mounted for the build only and never reaches a layer.
+    """
+    config.mkdir(parents=True, exist_ok=True)
+    lines = ["[global]"]
+    bundle = os.environ.get("PIP_CERT") or ssl.get_default_verify_paths().cafile
+    if bundle and Path(bundle).is_file():
+        shutil.copyfile(bundle, config / "ca-certificates.crt")
+        lines.append(f"cert = {MOUNTED_CONFIG_DIR}/ca-certificates.crt")
+    flags = [f"--volume={config}:{MOUNTED_CONFIG_DIR}:ro"]
+    if wheels is not None:
+        lines.append(f"find-links = {MOUNTED_WHEELS}")
+        flags.append(f"--volume={wheels}:{MOUNTED_WHEELS}:ro")
+    (config / "pip.conf").write_text("\n".join(lines) + "\n")
+    return flags
