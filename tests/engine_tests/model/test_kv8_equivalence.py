@@ -52,8 +52,11 @@ def _format(arch: str) -> KVCacheDtype:
     return FORMATS[list(ARCHITECTURES).index(arch) % len(FORMATS)]
 
 
-def _run(model_dir: str, arch: str, config: str, kv_dtype: KVCacheDtype) -> list[CompletionOutput]:
+def _run(
+    model_dir: str, arch: str, config: str, kv_dtype: KVCacheDtype, **engine: object
+) -> list[CompletionOutput]:
     kwargs: dict[str, object] = {"num_blocks": 64, "max_model_len": 128, **VARIANTS[config]}
+    kwargs |= engine
     if "preemption_mode" in kwargs and arch in ALL_LAYERS_SLIDING:
         kwargs |= {"num_blocks": 11, "max_model_len": 88}  # as the float32 matrix: must preempt
     with LLM(
@@ -106,4 +109,22 @@ def test_paging_keeps_an_8bit_pool_logprob_close(
         except AssertionError as exc:
             raise AssertionError(f"{kv_dtype.value}, prompt {i}: {exc}") from exc
     # Paging moves bytes, not values: nearly every path agrees to the end.
+    assert sum(agreed) >= 0.9 * MAX_TOKENS * len(agreed), agreed
+
+
+@pytest.mark.parametrize("config", ["prefix-bs16", "preempt-swap"])
+def test_tensor_parallel_ranks_each_quantize_their_own_heads(
+    config: str, model_dirs: dict[str, Path]
+) -> None:
+    """TP=2 with an 8-bit pool: each rank writes and reads its own KV heads' 8-bit rows and
+    scales (the scales are per head, so sharding does not change them); the output is the one
+    rank run's by the same rule."""
+    arch, kv_dtype = "llama", KVCacheDtype.INT8
+    model_dir = str(model_dirs[arch])
+    oracle = _oracle(model_dir, arch, kv_dtype)
+    outputs = _run(model_dir, arch, config, kv_dtype, tensor_parallel_size=2)
+    agreed = [
+        check_logprobs_close(want, got, LOGPROB_DRIFT[kv_dtype])
+        for want, got in zip(oracle, outputs, strict=True)
+    ]
     assert sum(agreed) >= 0.9 * MAX_TOKENS * len(agreed), agreed
