@@ -12,7 +12,8 @@ Ownership rules (the contract every caller keeps):
   waits in the free queue where a later request can revive it (``touch``). Callers free a table's
   blocks deepest-first, so the deepest blocks of a prefix are evicted first.
 * Eviction happens only in ``allocate``: it pops the least recently freed block from the queue's
-  head and, if that block was cached, drops its hash. A block with ref > 0 is never evicted.
+  head and, if that block was cached, drops its hash, first telling ``on_evict`` (the host tier,
+  ``core/host_tier``) which block and hash it drops. A block with ref > 0 is never evicted.
 * Only a full block whose K/V have been written may be given a hash (``cache_block``); one hash maps
   to one block.
 
@@ -21,8 +22,11 @@ The pool is pure Python (no torch): the model runner owns the tensors the block 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+# Told (hash, block id) of each cached block ``allocate`` evicts, before its new holder writes it.
+EvictHook = Callable[[bytes, int], object]
 
 
 class Block:
@@ -111,7 +115,13 @@ class PoolStats:
 class BlockPool:
     """``num_blocks`` blocks with ref counts, a free queue and a hash -> block prefix cache."""
 
-    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_prefix_caching: bool = True,
+        on_evict: EvictHook | None = None,
+    ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0; got {num_blocks}")
         self.num_blocks = num_blocks
@@ -120,6 +130,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self._num_cached_free = 0
+        self._on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -130,6 +141,8 @@ class BlockPool:
         block = self.free_queue.popleft()
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self._on_evict is not None:
+                self._on_evict(block.block_hash, block.block_id)
             block.block_hash = None
             self._num_cached_free -= 1
         block.ref_count = 1

@@ -94,6 +94,11 @@ class CacheConfig:
     ``PreemptionMode.SWAP`` (0 disables swapping), sized from ``swap_space`` (GiB).
     ``sliding_window``: the window every layer of the model obeys (None when any layer attends
     to the whole context); blocks wholly before it are released while a sequence runs.
+    ``num_host_blocks`` is the host tier under the prefix cache (``core/host_tier``), sized from
+    ``kv_offloading_size`` (GiB, all tensor-parallel ranks together, as vLLM's flag); it needs
+    prefix caching. The swap pool and the tier are separate host allocations, each with its own
+    budget, so neither can starve the other: a swapped sequence never loses its blocks to cached
+    prefixes, and preemption never drops the tier's prefixes.
     """
 
     num_blocks: int | None = knob(
@@ -127,11 +132,27 @@ class CacheConfig:
         "KV pool element type: auto (the model's dtype), or 8 bits with a scale per token and KV "
         "head: fp8 (= fp8_e4m3), fp8_e5m2, int8",
     )
+    kv_offloading_size: float = knob(
+        0.0,
+        "host-memory tier under the prefix cache (GiB, all tensor-parallel ranks together): "
+        "prefix blocks the KV pool evicts are kept there and copied back instead of recomputed; "
+        "0 disables",
+        min=0,
+        unit="GiB",
+    )
+    num_host_blocks: int = knob(
+        0, "host tier in blocks (from --kv-offloading-size)", min=0, flag=False
+    )
 
     def __post_init__(self) -> None:
         knobs.check(self)
         # One spelling per format downstream (vLLM's "fp8" is e4m3).
         object.__setattr__(self, "kv_cache_dtype", self.kv_cache_dtype.canonical)
+        if (self.kv_offloading_size or self.num_host_blocks) and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size needs enable_prefix_caching: the host tier keeps prefix "
+                "blocks by their hash"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,11 @@ Ownership rules:
   window, so the placeholder's id is never read unmasked. A released block keeps its prefix hash
   in the free queue like any freed block. With a model that mixes local and global layers
   (Gemma 2/3) nothing is released: the global layers read every position.
+* Host tier (``CacheConfig.num_host_blocks`` > 0, ``core/host_tier``): a cached block the device
+  pool evicts is offered to the tier (``BlockPool``'s ``on_evict``). ``find_prefix`` continues a
+  prompt's chain of device hits with the tier's; ``allocate_with_prefix`` takes the host hits
+  into fresh device blocks, queues their loads and publishes them on the device at once (the
+  runner performs the loads before the forward). ``take_host_moves`` hands a step's copies over.
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections.abc import Sequence as Sequence_
+from typing import NamedTuple
 
 from quire_engine.core.block_pool import Block, BlockPool, PoolStats
 from quire_engine.core.config import CacheConfig
+from quire_engine.core.host_tier import HostMove, HostTier
 from quire_engine.core.knobs import resolved
 from quire_engine.core.sequence import Sequence
 
@@ -111,6 +119,18 @@ class _Table:
         self.quiet_end = 0 if self.forked else min(self.capacity, self.publish_at - 1)
 
 
+class PrefixHits(NamedTuple):
+    """A prompt's cached prefix: its leading blocks found on the device (not yet held), then the
+    hashes of the blocks after them found in the host tier, in prompt order."""
+
+    device: list[Block]
+    host: list[bytes]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.host)
+
+
 def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
     """Prefix hash of one full block: chains the parent hash, the block's tokens and extra keys.
 
@@ -150,7 +170,13 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.sliding_window = config.sliding_window
         self.num_blocks = resolved(config.num_blocks, "num_blocks")  # the device pool's size
-        self.pool = BlockPool(self.num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        # The host tier under the prefix cache (None without one): what the pool evicts goes there.
+        self.host = HostTier(config.num_host_blocks) if config.num_host_blocks else None
+        self.pool = BlockPool(
+            self.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            on_evict=self.host.offload if self.host is not None else None,
+        )
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
         self._tables: dict[str, _Table] = {}
         self._cpu_tables: dict[str, list[Block]] = {}
@@ -195,8 +221,11 @@ class KVCacheManager:
         return self.pool.stats()
 
     def reset_prefix_cache(self) -> bool:
-        """``BlockPool.reset_prefix_cache`` of the device pool (the CPU pool caches nothing)."""
-        return self.pool.reset_prefix_cache()
+        """``BlockPool.reset_prefix_cache`` of the device pool, then the host tier's (the CPU swap
+        pool caches nothing)."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        return self.host is None or self.host.reset()
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Hashes of the sequence's first ``num_blocks`` full blocks (computed lazily, cached on
@@ -238,6 +267,20 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def find_prefix(self, seq: Sequence) -> PrefixHits:
+        """``computed_blocks``, then the host tier's hits for the blocks after them (the chain
+        goes on while the tier holds the next block's hash)."""
+        device = self.computed_blocks(seq)
+        host: list[bytes] = []
+        if self.host is not None and self.pool.enable_prefix_caching and not seq.prompt_logits:
+            tier = self.host
+            limit = (seq.num_tokens - 1) // self.block_size  # the hashes computed_blocks made
+            for block_hash in seq.block_hashes[len(device) : limit]:
+                if block_hash not in tier:
+                    break
+                host.append(block_hash)
+        return PrefixHits(device, host)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> array[int] | None:
         """Make room for ``num_new_tokens`` tokens after ``seq.num_computed_tokens``.
 
@@ -247,21 +290,30 @@ class KVCacheManager:
         return self._allocate(seq, num_new_tokens, None)
 
     def allocate_with_prefix(
-        self, seq: Sequence, num_new_tokens: int, computed: list[Block]
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed: list[Block],
+        host: Sequence_[bytes] = (),
     ) -> int | None:
         """Take ``computed`` (prefix-cache hits of a sequence that holds no blocks yet; ref + 1)
-        and make room for ``num_new_tokens`` tokens after them.
+        and ``host`` (the host tier's hits after them: each into a fresh device block, its load
+        queued) and make room for ``num_new_tokens`` tokens after them.
 
         Returns the number of tokens the hits cover, which becomes the sequence's
         ``num_computed_tokens`` (the scheduler owns that field and writes it), or None, changing
         nothing, when the pool cannot supply the blocks.
         """
-        if self._allocate(seq, num_new_tokens, computed) is None:
+        if self._allocate(seq, num_new_tokens, computed, host) is None:
             return None
-        return len(computed) * self.block_size
+        return (len(computed) + len(host)) * self.block_size
 
     def _allocate(
-        self, seq: Sequence, num_new_tokens: int, computed: list[Block] | None
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed: list[Block] | None,
+        host: Sequence_[bytes] = (),
     ) -> array[int] | None:
         table = self._tables.get(seq.seq_id)
         start = seq.num_computed_tokens
@@ -297,12 +349,17 @@ class KVCacheManager:
         else:
             num_held = 0
         computed = computed or []
-        if computed and (num_held or start):
+        num_hits = len(computed) + len(host)
+        if num_hits and (num_held or start):
             raise ValueError("prefix hits can only be taken by a sequence holding no blocks")
-        if computed:
-            start = len(computed) * bs
+        if num_hits:
+            start = num_hits * bs
             end = start + num_new_tokens
-        needed = self.num_blocks_for(end) - num_held - len(computed)
+        # Hits wholly before the window of the first new token are not taken at all.
+        dead = self._num_dead(start) if num_hits else 0
+        # Host hits at positions len(computed) .. num_hits - 1: a fresh block each unless dead.
+        host_dead = min(max(dead - len(computed), 0), len(host))
+        needed = self.num_blocks_for(end) - num_held - len(computed) - host_dead
         # Writing into a shared, partially filled block needs one private copy first.
         cow = (
             table is not None
@@ -310,8 +367,6 @@ class KVCacheManager:
             and start // bs < num_held
             and table.blocks[start // bs].ref_count > 1
         )
-        # Hits wholly before the window of the first new token are not taken at all.
-        dead = self._num_dead(start) if computed else 0
         revived = sum(1 for b in computed[dead:] if b.ref_count == 0)
         if max(needed, 0) + cow + revived > self.pool.num_free:
             return None
@@ -326,7 +381,10 @@ class KVCacheManager:
                 else:
                     self.pool.touch(block)
                     table.append(block)
-            table.set_cached(len(computed))
+        if host:
+            self._load_host_hits(table, host, host_dead)
+        if num_hits:
+            table.set_cached(num_hits)
         if cow:
             i = start // bs
             shared = table.blocks[i]
@@ -335,15 +393,49 @@ class KVCacheManager:
             table.ids[i] = private.block_id
             self.pool.free([shared])
             self.pending_copies.append((shared.block_id, private.block_id))
-        for _ in range(needed):
+        for _ in range(needed - len(host) + host_dead):
             table.append(self.pool.allocate())
         if end >= table.publish_at:
             self._publish(seq, table, end // bs)
         return table.ids
 
-    def note_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def _load_host_hits(self, table: _Table, host: Sequence_[bytes], num_dead: int) -> None:
+        """Append the host hits to ``table`` (after its device hits): a dead one as ``RELEASED``,
+        the others each in a fresh device block, its load queued and the block published at once
+        (its K/V land before the step's forward reads anything)."""
+        tier = self.host
+        assert tier is not None  # host hits come from the tier
+        for _ in range(num_dead):
+            table.append(RELEASED)
+            table.num_released += 1
+        live = host[num_dead:]
+        # Pinned first: allocating the destinations may offload evicted device blocks, and those
+        # offloads must not take the host blocks about to be read.
+        sources = tier.pin(live)
+        for block_hash, src in zip(live, sources, strict=True):
+            block = self.pool.allocate()
+            tier.load(block_hash, src, block.block_id)
+            self.pool.cache_block(block, block_hash)
+            table.append(block)
+
+    def note_prefix_query(
+        self, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+    ) -> None:
+        """A prompt's first lookup: ``num_hit_tokens`` of its ``num_tokens`` found cached (on the
+        device or in the host tier), ``num_host_hit_tokens`` of them in the tier, which was asked
+        for every token the device did not have."""
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
+        if self.host is not None:
+            device_hits = num_hit_tokens - num_host_hit_tokens
+            self.host.note_query(num_tokens - device_hits, num_host_hit_tokens)
+
+    def take_host_moves(self) -> tuple[list[HostMove], list[HostMove]]:
+        """The step's host-tier copies, (offloads (device, host), loads (host, device)); empty
+        without a tier. The scheduler calls it once per step, with ``take_copies``."""
+        if self.host is None:
+            return [], []
+        return self.host.take_moves()
 
     def _publish_unpublished(self, seq_id: str) -> None:
         """Publish a sequence's decode-filled blocks before it lets go of them. Called between

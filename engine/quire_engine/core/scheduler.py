@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from quire_engine.core.host_tier import HostMove
 from quire_engine.core.knobs import resolved
 from quire_engine.core.kv_cache_manager import KVCacheManager
 from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -46,7 +47,9 @@ class SchedulerOutput:
     the step ends at its last known token (so its logits are sampled). The slot of every new
     token follows from the block tables (``slot_mapping()``); the runner computes it vectorized.
     Block moves are performed by the runner before the forward pass in this order:
-    ``swap_out``, ``swap_in``, ``block_copies``.
+    ``swap_out`` and ``offload`` (the only reads of device blocks this step may overwrite: an
+    evicted block is offloaded before its new holder writes it), then ``swap_in``, ``load`` (host
+    tier hits into fresh device blocks) and ``block_copies``.
     """
 
     block_size: int
@@ -58,6 +61,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    offload: list[HostMove] = field(default_factory=list)  # (device, host): evicted prefixes
+    load: list[HostMove] = field(default_factory=list)  # (host, device): host-tier hits
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
@@ -228,6 +233,7 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out, budget)
         out.block_copies = kv.take_copies()
+        out.offload, out.load = kv.take_host_moves()
         return out
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
@@ -283,16 +289,16 @@ class Scheduler:
         slots = self._free_slots() if self.waiting else 0
         while self.waiting and budget > 0 and self.waiting[0].reserved_seqs <= slots:
             seq = self.waiting[0]
-            hits = kv.computed_blocks(seq)
-            num_hit = len(hits) * kv.block_size
+            hits = kv.find_prefix(seq)  # on the device, then in the host tier
+            num_hit = hits.num_blocks * kv.block_size
             n = min(seq.num_tokens - num_hit, budget)
-            cached = kv.allocate_with_prefix(seq, n, hits)
+            cached = kv.allocate_with_prefix(seq, n, hits.device, hits.host)
             if cached is None:
                 break
             seq.num_computed_tokens = cached
             if seq.num_cached_tokens < 0:  # a lookup only once: a victim mostly finds itself
                 seq.num_cached_tokens = cached
-                kv.note_prefix_query(seq.num_tokens, num_hit)
+                kv.note_prefix_query(seq.num_tokens, num_hit, len(hits.host) * kv.block_size)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
@@ -370,6 +376,7 @@ class Scheduler:
             prefix_hits=kv.prefix_hits,
             num_preemptions=MappingProxyType(dict(self.num_preemptions)),
             waiting_ids=frozenset(seq.seq_id for seq in self.waiting),
+            host=kv.host.stats() if kv.host is not None else None,
         )
 
 

@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol
 
 from quire_engine.core.block_pool import PoolStats
 from quire_engine.core.config import PreemptionMode
+from quire_engine.core.host_tier import HostTierStats
 from quire_engine.core.kv_cache_manager import KVCacheManager
 from quire_engine.core.sequence import Sequence
 
@@ -37,6 +38,7 @@ class SchedulerStats(NamedTuple):
     prefix_hits: int  # of those, found
     num_preemptions: Mapping[PreemptionMode, int]  # a read-only copy
     waiting_ids: frozenset[str]  # ids of the sequences in WAITING
+    host: HostTierStats | None = None  # the host tier under the prefix cache (None: no tier)
 
 
 class DemandSource(Protocol):

@@ -106,12 +106,14 @@ def _load(
             layers=loaded.layers,
             native_linears=comm is None,
             fixed_scales=plan.fixed_scales,
+            num_host_blocks=plan.num_host_blocks,
         )
     if parallel is not None:
         runner.publish = parallel.publish
     logger.info(
         "KV pool: %d blocks x %d tokens of %s (%s scales, %d bytes per token; %.1f MiB per "
-        "rank), %d CPU swap blocks, max_model_len %d, tensor_parallel_size %d",
+        "rank), %d CPU swap blocks, %d host-tier blocks (%.1f MiB per rank), max_model_len %d, "
+        "tensor_parallel_size %d",
         num_blocks,
         plan.cache.block_size,
         shape.kv_dtype.value if shape.quantized else str(shape.dtype).removeprefix("torch."),
@@ -119,6 +121,8 @@ def _load(
         shape.bytes_per_token,
         num_blocks * shape.bytes_per_block / 2**20,
         num_cpu_blocks,
+        plan.num_host_blocks,
+        plan.num_host_blocks * shape.bytes_per_block / 2**20,
         max_len,
         config.parallel.tensor_parallel_size,
     )

@@ -2,7 +2,7 @@
 
 What the engine decides once at start-up, from the config and the loaded model: ``max_model_len``,
 the step's token budget, the pool's shape and its size in blocks (``runner.size_pool``), and the
-CPU swap pool. Under tensor parallelism every rank sizes its own pool from its own memory and the
+CPU swap pool and the host tier under the prefix cache. Under tensor parallelism every rank sizes its own pool from its own memory and the
 group takes the smallest (``Collectives.min_int``), so one block allocator serves every rank.
 """
 
@@ -48,6 +48,17 @@ class CachePlan:
     def num_cpu_blocks(self) -> int:
         return self.cache.num_cpu_blocks
 
+    @property
+    def num_host_blocks(self) -> int:
+        return self.cache.num_host_blocks
+
+
+def host_tier_blocks(kv_offloading_size: float, shape: CacheShape, num_ranks: int) -> int:
+    """Blocks of the host tier: ``kv_offloading_size`` GiB hold a block of every rank (each
+    rank's ``shape.bytes_per_block``: K, V and an 8-bit pool's scales of its KV heads), as vLLM's
+    ``--kv-offloading-size`` counts all tensor-parallel ranks together."""
+    return int(kv_offloading_size * 2**30) // (shape.bytes_per_block * num_ranks)
+
 
 def plan_cache(
     config: EngineConfig,
@@ -88,11 +99,14 @@ def plan_cache(
     num_cpu_blocks = 0
     if sched.preemption_mode is PreemptionMode.SWAP:
         num_cpu_blocks = int(cache.swap_space * 2**30) // shape.bytes_per_block
+    num_ranks = config.parallel.tensor_parallel_size
+    num_host_blocks = host_tier_blocks(cache.kv_offloading_size, shape, num_ranks)
     if comm is not None and comm.world > 1:
         # What this rank could hold, unchecked (every rank must reach the collective), then the
         # smallest share, checked on every rank alike.
         num_blocks = comm.min_int(size(num_blocks, 1, 0), device)
         num_cpu_blocks = comm.min_int(num_cpu_blocks, device)
+        num_host_blocks = comm.min_int(num_host_blocks, device)
     blocks = size(num_blocks, max_len, min_blocks)
     fixed = None
     if cache.kv_cache_dtype in (KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2):
@@ -104,6 +118,7 @@ def plan_cache(
             cache,
             num_blocks=blocks,
             num_cpu_blocks=num_cpu_blocks,
+            num_host_blocks=num_host_blocks,
             sliding_window=loaded.sliding_window,
         ),
         fixed,

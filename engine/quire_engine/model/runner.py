@@ -1,7 +1,8 @@
 """The only bridge between the pure-Python control side and tensors.
 
-Owns the model and the KV cache tensors (device pool and CPU swap pool). Each ``execute`` call takes
-a ``SchedulerOutput``, performs its block moves (swap-outs, swap-ins, then copy-on-write copies, in
+Owns the model and the KV cache tensors (device pool, CPU swap pool and the host tier's
+``HostPool``). Each ``execute`` call takes a ``SchedulerOutput``, performs its block moves
+(swap-outs and host-tier offloads, then swap-ins, host-tier loads and copy-on-write copies, in
 that order, before any K/V of the step is written), packs the step's new tokens of every sequence
 into one row, runs the forward pass with paged attention and returns the logits of the sequences
 that sample this step. On CPU a pure decode step of a few sequences of a Llama-shaped model runs
@@ -40,6 +41,7 @@ from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
 from quire_engine.kernels.kv_quant import SCALE_DTYPE, FixedScales, LayerKV
 from quire_engine.kernels.triton_runtime import triton_usable
 from quire_engine.model import attention
+from quire_engine.model.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +139,9 @@ class ModelRunner:
         layers: Sequence[attention.LayerAttention] = (),
         native_linears: bool = True,
         fixed_scales: Sequence[FixedScales] | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
-        """``layers``: every layer's attention as ``attention.inspect_layers`` audited it
+        """``num_host_blocks``: the host tier under the prefix cache (0: none). ``layers``: every layer's attention as ``attention.inspect_layers`` audited it
         (the loader's ``LoadedModel.layers``); without it the native decoder stays off.
         ``native_linears=False`` keeps the model's own linear modules and the native decoder
         off (tensor parallelism: the sharded modules communicate). ``fixed_scales``: an 8-bit
@@ -187,6 +190,11 @@ class ModelRunner:
                 f"layers; the pool is {shape.storage_dtype}"
             )
         fixed = list(fixed_scales) if fixed_scales is not None else [None] * count
+        self.host_pool = (
+            HostPool(self.device_pools, num_host_blocks, device, zeroed)
+            if num_host_blocks
+            else None
+        )
         self._kv_layers = [
             LayerKV(k, v, ks, vs, f)
             for k, v, ks, vs, f in itertools.zip_longest(
@@ -328,12 +336,23 @@ class ModelRunner:
         return [*self.cpu_k_caches, *self.cpu_v_caches, *self.cpu_k_scales, *self.cpu_v_scales]
 
     def _move_blocks(self, plan: StepPlan) -> None:
-        # Order matters: a block freed by a swap-out may be a swap-in or CoW destination. The
-        # scales move in the same calls as the bytes they scale.
+        # Order matters: every read of a device block the step may overwrite comes first (a
+        # swap-out's, and an offload's: an evicted block is the next holder's fresh block, maybe
+        # a swap-in, load or CoW destination), then the writes. The scales move in the same calls
+        # as the bytes they scale.
+        host = self.host_pool
+        if host is not None:
+            host.finish()  # the last step's offloads into the host tensors (CUDA)
         if plan.swap_out:
             swap_blocks(self.device_pools, self.swap_pools, plan.swap_out)
+        if plan.offload:
+            assert host is not None, "host-tier moves without a host tier"
+            host.offload(self.device_pools, plan.offload)
         if plan.swap_in:
             swap_blocks(self.swap_pools, self.device_pools, plan.swap_in)
+        if plan.load:
+            assert host is not None, "host-tier moves without a host tier"
+            host.load(self.device_pools, plan.load)
         if plan.block_copies:
             copy_blocks(
                 [*self.k_caches, *self.k_scales], [*self.v_caches, *self.v_scales],
@@ -414,6 +433,8 @@ class StepPlan:
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     block_copies: list[tuple[int, int]]
+    offload: Sequence[tuple[int, int]] = ()  # (device, host): host-tier offloads
+    load: Sequence[tuple[int, int]] = ()  # (host, device): host-tier loads
 
 
 def plan_step(out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()) -> StepPlan:
@@ -428,7 +449,9 @@ def plan_step(out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
             for s in prompt_spans
         ]
         keep = np.concatenate([x.sample_rows, *extra]).astype(np.int64)
-    return StepPlan(x, keep, out.swap_out, out.swap_in, out.block_copies)
+    return StepPlan(
+        x, keep, out.swap_out, out.swap_in, out.block_copies, out.offload, out.load
+    )
 
 
 _token_ids = attrgetter("token_ids")

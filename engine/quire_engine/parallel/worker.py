@@ -80,6 +80,7 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
         layers=loaded.layers,
         native_linears=False,
         fixed_scales=cache.fixed_scales,
+        num_host_blocks=cache.num_host_blocks,
     )
     logger.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
     while True:
