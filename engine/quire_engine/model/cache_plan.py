@@ -1,9 +1,10 @@
 """How big the KV pool and the step limits are for a loaded model on one rank.
 
 What the engine decides once at start-up, from the config and the loaded model: ``max_model_len``,
-the step's token budget, the pool's shape and its size in blocks (``runner.size_pool``), and the
-CPU swap pool and the host tier under the prefix cache. Under tensor parallelism every rank sizes its own pool from its own memory and the
-group takes the smallest (``Collectives.min_int``), so one block allocator serves every rank.
+the step's token budget, the pool's shape and its size in blocks (``runner.size_pool``), the CPU
+swap pool and the host tier under the prefix cache. Under tensor parallelism every rank sizes its
+own pool from its own memory and the group takes the smallest (``Collectives.min_int``), so one
+block allocator serves every rank.
 """
 
 from __future__ import annotations

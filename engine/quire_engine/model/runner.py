@@ -141,11 +141,12 @@ class ModelRunner:
         fixed_scales: Sequence[FixedScales] | None = None,
         num_host_blocks: int = 0,
     ) -> None:
-        """``num_host_blocks``: the host tier under the prefix cache (0: none). ``layers``: every layer's attention as ``attention.inspect_layers`` audited it
+        """``layers``: every layer's attention as ``attention.inspect_layers`` audited it
         (the loader's ``LoadedModel.layers``); without it the native decoder stays off.
         ``native_linears=False`` keeps the model's own linear modules and the native decoder
         off (tensor parallelism: the sharded modules communicate). ``fixed_scales``: an 8-bit
-        pool's per-layer checkpoint scales (None: dynamic per-token scales)."""
+        pool's per-layer checkpoint scales (None: dynamic per-token scales).
+        ``num_host_blocks``: the host tier under the prefix cache (0: none)."""
         attention.register()
         model.set_attn_implementation(attention.ATTENTION_NAME)
         self.model = model
@@ -189,6 +190,7 @@ class ModelRunner:
                 f"fixed KV scales ({len(fixed_scales)} layers) need an 8-bit pool of {count} "
                 f"layers; the pool is {shape.storage_dtype}"
             )
+        self.fixed_scales = tuple(fixed_scales) if fixed_scales is not None else None
         fixed = list(fixed_scales) if fixed_scales is not None else [None] * count
         self.host_pool = (
             HostPool(self.device_pools, num_host_blocks, device, zeroed)
@@ -326,6 +328,14 @@ class ModelRunner:
         return result.logits[0].float()  # [num_sampling_seqs, vocab]
 
     @property
+    def kv_scales(self) -> str:
+        """Where the pool's scales come from: none (not 8-bit), dynamic (per token, computed
+        on write) or checkpoint (the checkpoint's per-layer fp8 scales)."""
+        if not self.shape.quantized:
+            return "none"
+        return "checkpoint" if self.fixed_scales is not None else "dynamic"
+
+    @property
     def device_pools(self) -> list[torch.Tensor]:
         """Every block-major tensor of the device pool, data then scales: what a block is."""
         return [*self.k_caches, *self.v_caches, *self.k_scales, *self.v_scales]
@@ -449,9 +459,7 @@ def plan_step(out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
             for s in prompt_spans
         ]
         keep = np.concatenate([x.sample_rows, *extra]).astype(np.int64)
-    return StepPlan(
-        x, keep, out.swap_out, out.swap_in, out.block_copies, out.offload, out.load
-    )
+    return StepPlan(x, keep, out.swap_out, out.swap_in, out.block_copies, out.offload, out.load)
 
 
 _token_ids = attrgetter("token_ids")
