@@ -3,7 +3,9 @@
 ``_pool_fully_free`` (autouse) fails a test if any live ``BlockPool`` (built in this test or in a
 session-scoped fixture) still has a referenced block when the test ends: every path out of the
 engine (finish, abort, preemption, rejection) must give back what it took. A pool reported once is
-forgotten, so one leak does not fail every later test.
+forgotten, so one leak does not fail every later test. A host tier (``HostTier``) holds no
+references, only the pins of a step being planned: one still pinned at the end of a test had a
+step's moves never handed to the runner, and fails it too.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 from quire_engine.core.block_pool import BlockPool
+from quire_engine.core.host_tier import HostTier
 
 if TYPE_CHECKING:
     from tests.engine_tests.live_server import EngineHolder, RunningServer
     from tests.engine_tests.vllm_workload import Workload
 
 _live_pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
+_live_tiers: weakref.WeakSet[HostTier] = weakref.WeakSet()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -32,9 +36,17 @@ def _track_pools() -> Iterator[None]:
         original_init(self, *args, **kwargs)  # type: ignore[arg-type]
         _live_pools.add(self)
 
+    original_tier_init = HostTier.__init__
+
+    def tracking_tier_init(self: HostTier, *args: object, **kwargs: object) -> None:
+        original_tier_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        _live_tiers.add(self)
+
     BlockPool.__init__ = tracking_init  # type: ignore[method-assign]
+    HostTier.__init__ = tracking_tier_init  # type: ignore[method-assign]
     yield
     BlockPool.__init__ = original_init  # type: ignore[method-assign]
+    HostTier.__init__ = original_tier_init  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +59,10 @@ def _pool_fully_free(_track_pools: None) -> Iterator[None]:
             held = [b for b in pool.blocks if b.ref_count][:8]
             leaks.append(f"{stats.used}/{stats.total} blocks still held, e.g. {held}")
             _live_pools.discard(pool)
+    for tier in list(_live_tiers):
+        if tier.pinned:
+            leaks.append(f"host tier: blocks {sorted(tier.pinned)[:8]} pinned by untaken moves")
+            _live_tiers.discard(tier)
     assert not leaks, "KV blocks leaked at the end of the test:\n" + "\n".join(leaks)
 
 

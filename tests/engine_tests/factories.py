@@ -27,13 +27,22 @@ def make_scheduler(
     num_cpu_blocks: int = 0,
     prefix: bool = True,
     sliding_window: int | None = None,
+    num_host_blocks: int = 0,
 ) -> Scheduler:
-    """A scheduler over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
+    """A scheduler over a pool of ``num_blocks`` blocks of ``block_size`` tokens (and a host
+    tier of ``num_host_blocks`` under its prefix cache)."""
     return Scheduler(
         SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, max_model_len, PreemptionMode.parse(mode)
         ),
-        CacheConfig(num_blocks, block_size, prefix, num_cpu_blocks, sliding_window),
+        CacheConfig(
+            num_blocks,
+            block_size,
+            prefix,
+            num_cpu_blocks,
+            sliding_window,
+            num_host_blocks=num_host_blocks,
+        ),
     )
 
 
@@ -44,8 +53,10 @@ def make_kv_cache(
     enable_prefix_caching: bool = True,
     num_cpu_blocks: int = 0,
     sliding_window: int | None = None,
+    num_host_blocks: int = 0,
 ) -> KVCacheManager:
-    """A KV cache manager (block tables over one pool) without a scheduler."""
+    """A KV cache manager (block tables over one pool, and a host tier of
+    ``num_host_blocks``) without a scheduler."""
     return KVCacheManager(
         CacheConfig(
             num_blocks=num_blocks,
@@ -53,6 +64,7 @@ def make_kv_cache(
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
             sliding_window=sliding_window,
+            num_host_blocks=num_host_blocks,
         )
     )
 
