@@ -10,6 +10,7 @@ unchanged. ``StatsRecorder`` (``recorder``) is the only writer, on the engine th
 
 from __future__ import annotations
 
+import enum
 import gc
 import time
 from collections.abc import Mapping
@@ -42,6 +43,14 @@ GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 TOKEN_BUCKETS_DOC = " Buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."
 
 
+class TransferType(enum.StrEnum):
+    """The ``transfer_type`` label of the host tier's copy counters, as vLLM writes it (its
+    ``vllm:kv_offload_total_bytes``); GPU is the device pool, whatever the device."""
+
+    OFFLOAD = "GPU_to_CPU"  # an evicted prefix block into the host tier
+    LOAD = "CPU_to_GPU"  # a host-tier hit back into the device pool
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What the metrics need to know of the loaded engine: token counts are bucketed up to
@@ -54,6 +63,8 @@ class EngineFacts:
     startup: Mapping[StartupPhase, float] = field(default_factory=dict)  # seconds per phase
     kv_bytes_per_token: int = 0  # one token's K and V in every layer, scales included
     kv_scales: str = "none"  # none, dynamic or checkpoint (ModelRunner.kv_scales)
+    # One block of every tensor-parallel rank: what a host-tier copy moves.
+    kv_bytes_per_block: int = 0
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
@@ -66,6 +77,7 @@ class EngineFacts:
             dict(engine.startup.seconds),
             engine.runner.shape.bytes_per_token,
             engine.runner.kv_scales,
+            engine.runner.shape.bytes_per_block * engine.config.parallel.tensor_parallel_size,
         )
 
 
@@ -127,6 +139,52 @@ class ServerMetrics:
         self.prefix_hits = self._counter(
             "quire_prefix_cache_hits_total",
             "Prompt tokens found in the prefix cache when a request is first scheduled.",
+        )
+        # The host tier under the prefix cache (--kv-offloading-size): capacity, usage, hits and
+        # copies, so that a router or autoscaler scores the tier from the engine.
+        self.offload_capacity = self._gauge(
+            "quire_kv_offload_blocks_capacity",
+            "Blocks the host tier under the prefix cache holds at most (--kv-offloading-size; 0: "
+            "no tier).",
+        )
+        self.offload_capacity_bytes = self._gauge(
+            "quire_kv_offload_capacity_bytes",
+            "Host memory the tier's blocks take when full, all tensor-parallel ranks together.",
+        )
+        self.offload_used = self._gauge(
+            "quire_kv_offload_blocks_used", "Host-tier blocks holding a prefix."
+        )
+        self.offload_usage = self._gauge(
+            "quire_kv_offload_usage_ratio",
+            "Used host-tier blocks / capacity (0-1; 0 without a tier).",
+        )
+        self.host_queries = self._counter(
+            "quire_prefix_cache_host_queries_total",
+            "Prompt tokens looked up in the host tier because the device pool did not hold "
+            "them, when a request is first scheduled.",
+        )
+        self.host_hits = self._counter(
+            "quire_prefix_cache_host_hits_total",
+            "Of those, tokens found in the host tier and copied back instead of recomputed "
+            "(they count in quire_prefix_cache_hits_total too).",
+        )
+        offload_blocks = self._counter_family(
+            "quire_kv_offload_blocks_total",
+            "Blocks copied between the device pool and the host tier, by transfer_type "
+            "(GPU_to_CPU: evicted prefixes into the tier, CPU_to_GPU: host hits back).",
+            "transfer_type",
+        )
+        offload_bytes = self._counter_family(
+            "quire_kv_offload_bytes_total",
+            "Bytes copied between the device pool and the host tier, by transfer_type (as "
+            "quire_kv_offload_blocks_total; 8-bit blocks with their scales).",
+            "transfer_type",
+        )
+        self.offload_blocks = {t: offload_blocks.labels(model_name, t) for t in TransferType}
+        self.offload_bytes = {t: offload_bytes.labels(model_name, t) for t in TransferType}
+        self.offload_evictions = self._counter(
+            "quire_kv_offload_evictions_total",
+            "Prefixes the host tier dropped (least recently used) to make room for newer ones.",
         )
         self.prompt_tokens = self._counter(
             "quire_prompt_tokens_total",

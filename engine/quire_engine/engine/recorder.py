@@ -19,11 +19,12 @@ import logging
 from dataclasses import dataclass, field
 
 from quire_engine.core.config import PreemptionMode
+from quire_engine.core.host_tier import HostTierStats
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.sequence import FinishReason
 from quire_engine.core.stats import SchedulerStats
-from quire_engine.engine.metrics import EngineFacts, ServerMetrics
+from quire_engine.engine.metrics import EngineFacts, ServerMetrics, TransferType
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class _Timeline:
     seen: dict[int, int] = field(default_factory=dict)  # tokens already counted, per sample
 
 
+_NO_TIER = HostTierStats(0, 0, 0, 0, 0, 0, 0)
+
+
 class StatsRecorder:
     """Turns engine steps into metric updates and log lines. Engine thread only."""
 
@@ -60,6 +64,11 @@ class StatsRecorder:
         self._seen_preemptions = dict(stats.num_preemptions)
         self._seen_queries = stats.prefix_queries
         self._seen_hits = stats.prefix_hits
+        self._seen_host = stats.host or _NO_TIER
+        self._bytes_per_block = facts.kv_bytes_per_block
+        if stats.host is not None:
+            metrics.offload_capacity.set(stats.host.capacity)
+            metrics.offload_capacity_bytes.set(stats.host.capacity * facts.kv_bytes_per_block)
         self._unreported: dict[PreemptionMode, int] = dict.fromkeys(PreemptionMode, 0)
         self._last_warning = float("-inf")
         self.refresh(stats)
@@ -151,6 +160,9 @@ class StatsRecorder:
         m.running.set(stats.num_running)
         m.waiting.set(stats.num_waiting)
         m.swapped.set(stats.num_swapped)
+        if stats.host is not None:
+            m.offload_used.set(stats.host.used)
+            m.offload_usage.set(stats.host.usage)
 
     def _finished(self, line: _Timeline, reason: FinishReason, end: float) -> None:
         """The per-request series of a request that finished in a step (an abort between steps
@@ -187,6 +199,18 @@ class StatsRecorder:
         m.prefix_queries.inc(stats.prefix_queries - self._seen_queries)
         m.prefix_hits.inc(stats.prefix_hits - self._seen_hits)
         self._seen_queries, self._seen_hits = stats.prefix_queries, stats.prefix_hits
+        host, seen = stats.host, self._seen_host
+        if host is not None:
+            m.host_queries.inc(host.queries - seen.queries)
+            m.host_hits.inc(host.hits - seen.hits)
+            m.offload_evictions.inc(host.dropped - seen.dropped)
+            for kind, blocks in (
+                (TransferType.OFFLOAD, host.offloaded - seen.offloaded),
+                (TransferType.LOAD, host.loaded - seen.loaded),
+            ):
+                m.offload_blocks[kind].inc(blocks)
+                m.offload_bytes[kind].inc(blocks * self._bytes_per_block)
+            self._seen_host = host
         for mode, total in stats.num_preemptions.items():
             fresh = total - self._seen_preemptions[mode]
             if fresh:

@@ -121,6 +121,31 @@ DERIVED = (
         Kind.COUNTER,
         "Prompt tokens found in the prefix cache when a request is first scheduled.",
         ("quire_prefix_cache_hits_total",),
+        note="Host-tier hits included (Quire's tier is part of its prefix cache); vLLM counts its "
+        "KV connector's hits in vllm:external_prefix_cache_hits only.",
+    ),
+    Derived(
+        "vllm:external_prefix_cache_queries",
+        Kind.COUNTER,
+        "Prompt tokens looked up in the host tier after the device pool missed them, when a "
+        "request is first scheduled.",
+        ("quire_prefix_cache_host_queries_total",),
+        note="Quire's host tier (--kv-offloading-size) stands where vLLM's KV connector does.",
+    ),
+    Derived(
+        "vllm:external_prefix_cache_hits",
+        Kind.COUNTER,
+        "Prompt tokens found in the host tier and copied back, when a request is first scheduled.",
+        ("quire_prefix_cache_host_hits_total",),
+    ),
+    Derived(
+        "vllm:kv_offload_total_bytes",
+        Kind.COUNTER,
+        "Bytes copied between the device pool and the host tier, by transfer_type (GPU_to_CPU, "
+        "CPU_to_GPU).",
+        ("quire_kv_offload_bytes_total",),
+        keep="transfer_type",
+        note="vLLM's OffloadingConnector counter; GPU names the device pool on any device.",
     ),
     Derived(
         "vllm:num_preemptions",
