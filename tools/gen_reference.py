@@ -114,9 +114,11 @@ def served_metrics() -> tuple[list[Any], list[Any]]:
 
     metrics = ServerMetrics(MODEL)
     # Token-count buckets depend on max_model_len; their help text says so, the table does not
-    # list them (buckets_text). Every start-up phase, so that the table lists them all.
+    # list them (buckets_text). Every start-up phase, and a host tier (whose vLLM series exist
+    # only with one), so that the table lists them all.
     phases = dict.fromkeys(StartupPhase, 0.0)
-    metrics.engine_ready(EngineFacts(2048, CacheConfig(num_blocks=1024), 0.9, 4.0, phases))
+    cache = CacheConfig(num_blocks=1024, num_host_blocks=4096)
+    metrics.engine_ready(EngineFacts(2048, cache, 0.9, 4.0, phases))
     gc_pauses = GcPauses(metrics.registry, MODEL)
     try:
         metrics.registry.register(ProfileCollector(StepProfile(), MODEL))

@@ -8,7 +8,8 @@ the same device pool, on three workloads whose working set is several times that
   the others went through;
 - ``no_hit``: unique prompts only (nothing can hit: the tier's cost, its offloads, with no gain).
 
-Each runs closed-loop at ``--concurrency`` through the engine's step loop (a request is added
+Each runs ``--repeats`` times per setting, off and on alternating on fresh engines (medians
+reported), closed-loop at ``--concurrency`` through the engine's step loop (a request is added
 when one finishes): TTFT is add to first token, on the same clock for both. Reported per workload
 and setting: host-tier hit rate (tokens found in the tier / tokens looked up there), prefix hit
 rate (all tiers), TTFT p50/p99, prompt tokens computed (not served from a cache), tokens per
@@ -60,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per setting, off and on alternating, each on a fresh engine; medians reported",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,12 +78,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = _model_path(args, Path(tmp))
         for name in workloads:
-            results = {}
-            for tier in (False, True):
-                with _llm(model, args, tier) as llm:
-                    if tier:
-                        out["tier_blocks"] = llm.engine.scheduler.kv.host.num_blocks  # type: ignore[union-attr]
-                    results["tier_on" if tier else "tier_off"] = _drive(llm, name, args)
+            runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+            for _ in range(args.repeats):  # alternating, so slow drifts of the machine hit both
+                for tier in (False, True):
+                    with _llm(model, args, tier) as llm:
+                        host = llm.engine.scheduler.kv.host
+                        if host is not None:
+                            out["tier_blocks"] = host.num_blocks
+                        runs[tier].append(_drive(llm, name, args))
+            results: dict[str, Any] = {
+                "tier_off": _median(runs[False]),
+                "tier_on": _median(runs[True]),
+            }
             on, off = results["tier_on"], results["tier_off"]
             results["ratios"] = {
                 "ttft_p50_on_over_off": _ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
@@ -88,6 +101,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             out[name] = results
     return out
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the runs (the counts are the same in every run)."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def _ratio(a: float, b: float) -> float | None:

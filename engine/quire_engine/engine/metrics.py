@@ -300,7 +300,8 @@ class ServerMetrics:
             self.vllm_collector.set_cache_config(
                 vllm_metrics.cache_config_labels(
                     facts.cache, facts.gpu_memory_utilization, facts.swap_space
-                )
+                ),
+                host_tier=facts.cache.num_host_blocks > 0,
             )
 
     def vllm_twins(self) -> list[vllm_metrics.Twin]:

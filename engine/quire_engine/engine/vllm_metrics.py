@@ -68,6 +68,7 @@ class Derived(NamedTuple):
     sources: tuple[str, ...]
     keep: str | None = None
     note: str = ""
+    needs_tier: bool = False  # exported only with a host tier, as vLLM's only with a connector
 
 
 class VllmHistogram(NamedTuple):
@@ -130,13 +131,17 @@ DERIVED = (
         "Prompt tokens looked up in the host tier after the device pool missed them, when a "
         "request is first scheduled.",
         ("quire_prefix_cache_host_queries_total",),
-        note="Quire's host tier (--kv-offloading-size) stands where vLLM's KV connector does.",
+        note="Quire's host tier (--kv-offloading-size) stands where vLLM's KV connector does; "
+        "exported only with a tier, as vLLM exports it only with a connector.",
+        needs_tier=True,
     ),
     Derived(
         "vllm:external_prefix_cache_hits",
         Kind.COUNTER,
         "Prompt tokens found in the host tier and copied back, when a request is first scheduled.",
         ("quire_prefix_cache_host_hits_total",),
+        note="Only with a host tier.",
+        needs_tier=True,
     ),
     Derived(
         "vllm:kv_offload_total_bytes",
@@ -145,7 +150,9 @@ DERIVED = (
         "CPU_to_GPU).",
         ("quire_kv_offload_bytes_total",),
         keep="transfer_type",
-        note="vLLM's OffloadingConnector counter; GPU names the device pool on any device.",
+        note="vLLM's OffloadingConnector counter; GPU names the device pool on any device. "
+        "Only with a host tier.",
+        needs_tier=True,
     ),
     Derived(
         "vllm:num_preemptions",
@@ -312,16 +319,23 @@ class VllmCollector:
         self.model_name = model_name
         self._sources = list(sources)
         self._cache_labels: Mapping[str, str] | None = None
+        self._host_tier = False
         self._lock = threading.Lock()
 
-    def set_cache_config(self, labels: Mapping[str, str]) -> None:
+    def set_cache_config(self, labels: Mapping[str, str], *, host_tier: bool = False) -> None:
+        """``host_tier``: the engine has one, so the series that need it are exported."""
         with self._lock:
             self._cache_labels = dict(labels)
+            self._host_tier = host_tier
 
     def collect(self) -> Iterable[Metric]:
         totals = self._totals()
         families: list[Metric] = []
+        with self._lock:
+            host_tier = self._host_tier
         for d in DERIVED:
+            if d.needs_tier and not host_tier:
+                continue
             labels = ["model_name", "engine", *([d.keep] if d.keep else [])]
             family: GaugeMetricFamily | CounterMetricFamily
             if d.kind is Kind.GAUGE:

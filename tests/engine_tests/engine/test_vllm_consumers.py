@@ -56,6 +56,8 @@ INFERENCE_PERF_HISTOGRAMS = (
 )
 # The rest of that list: series vLLM itself only has with a feature Quire does not have.
 INFERENCE_PERF_NOT_EXPORTED = {
+    # Quire has them with a host tier (--kv-offloading-size; test_host_tier_server), which
+    # this workload's server has not, as vLLM has them only with a KV connector.
     "vllm:external_prefix_cache_hits": "a KV connector (cross-instance cache)",
     "vllm:external_prefix_cache_queries": "a KV connector (cross-instance cache)",
     "vllm:mm_cache_hits": "multimodal inputs",
