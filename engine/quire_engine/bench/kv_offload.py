@@ -126,32 +126,26 @@ def _model_path(args: argparse.Namespace, tmp: Path) -> str:
 
 
 def _llm(model: str, args: argparse.Namespace, tier: bool) -> LLM:
+    """A fresh engine on ``--num-blocks`` device blocks; with ``tier``, a host tier of
+    ``--tier-x`` times the device pool's bytes (the pool's block bytes read from an engine
+    built without one)."""
     from quire_engine.engine.llm import LLM
 
-    llm = LLM(
-        model,
-        device="cpu",
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_model_len=min(args.num_blocks * args.block_size, 2048),
-        max_num_seqs=args.concurrency,
-        seed=args.seed,
-    )
+    engine: dict[str, Any] = {
+        "device": "cpu",
+        "num_blocks": args.num_blocks,
+        "block_size": args.block_size,
+        "max_model_len": min(args.num_blocks * args.block_size, 2048),
+        "max_num_seqs": args.concurrency,
+        "seed": args.seed,
+    }
+    llm = LLM(model, **engine)
     if not tier:
         return llm
-    runner = llm.engine.runner
-    size = args.tier_x * args.num_blocks * runner.shape.bytes_per_block / 2**30
+    bytes_per_block = llm.engine.runner.shape.bytes_per_block
     llm.close()
-    return LLM(
-        model,
-        device="cpu",
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_model_len=min(args.num_blocks * args.block_size, 2048),
-        max_num_seqs=args.concurrency,
-        seed=args.seed,
-        kv_offloading_size=size,
-    )
+    size = args.tier_x * args.num_blocks * bytes_per_block / 2**30
+    return LLM(model, **engine, kv_offloading_size=size)
 
 
 class _Source:

@@ -16,8 +16,9 @@ Ownership rules (the contract every caller keeps):
   performs loads after offloads and before the forward, so the prefill that follows reads them.
 * A host block read (a load's source) or written (an offload's destination) by the step being
   planned is *pinned*: it cannot be evicted until ``take_moves`` hands the step's moves over (the
-  end of ``Scheduler.schedule``). So one step's copies never write a host block twice, nor read
-  one they also write, and they can run in any order on the host side.
+  end of ``Scheduler.schedule``). So one step's copies never write a host block twice, and never
+  overwrite one a load reads. A load may read a block the same step offloads into (a prefix
+  evicted and wanted again within one step): the runner performs offloads first.
 
 Pure Python (no torch): the model runner owns the host tensors the ids index (``model/host_pool``).
 """
