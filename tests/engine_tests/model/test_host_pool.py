@@ -10,7 +10,8 @@ import torch
 from quire_engine.model.host_pool import HostPool
 from quire_engine.model.runner import zeroed
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA case (copy stream, pinned staging, deferred completion) runs in benchmarks/gpu.sh.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _pools(device: torch.device, num_blocks: int = 6) -> list[torch.Tensor]:
