@@ -32,7 +32,7 @@ def _issue_prompts() -> tuple[list[list[int]], list[list[int]]]:
     return first, other
 
 
-def _three_waves(
+def three_waves(
     llm: LLM, first: list[list[int]], other: list[list[int]], max_tokens: int
 ) -> tuple[list[list[list[int]]], list[int]]:
     """Greedy tokens of ``first``, ``other``, then ``first`` again; the rerun's cached tokens."""
@@ -49,9 +49,9 @@ def test_the_issue_reproduction_finds_the_evicted_prompts_in_the_tier(kv_cache_d
     engine: dict[str, Any] = {"num_blocks": 64, "max_model_len": 512}
     engine["kv_cache_dtype"] = kv_cache_dtype
     with LLM(**engine) as plain:
-        want, cached_without = _three_waves(plain, first, other, 8)
+        want, cached_without = three_waves(plain, first, other, 8)
     with LLM(**engine, kv_offloading_size=tier_gib(256, 16)) as tiered:
-        got, cached_with = _three_waves(tiered, first, other, 8)
+        got, cached_with = three_waves(tiered, first, other, 8)
         stats = tiered.engine.scheduler.stats()
         runner = tiered.engine.runner
         assert runner.host_pool is not None
@@ -76,7 +76,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _paging_prompts() -> tuple[list[list[int]], list[list[int]]]:
+def paging_prompts() -> tuple[list[list[int]], list[list[int]]]:
     """Four prompts behind one 32-token system prompt, and four unrelated ones."""
     rng = random.Random(7)
     system = [rng.randrange(10, 250) for _ in range(32)]
@@ -93,17 +93,17 @@ def _paging_prompts() -> tuple[list[list[int]], list[list[int]]]:
 )
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_outputs_with_the_tier_equal_recomputing(config: str, device: str) -> None:
-    first, other = _paging_prompts()
+    first, other = paging_prompts()
     engine: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 8, **CONFIGS[config]}
     engine |= {"device": device, "dtype": "float32"}
     oracle_engine = {**engine, "num_blocks": 256}
     oracle_engine.pop("preemption_mode", None)
     with LLM(**oracle_engine) as oracle:
-        want, _ = _three_waves(oracle, first, other, 16)
+        want, _ = three_waves(oracle, first, other, 16)
     block_size = engine["block_size"]
     assert isinstance(block_size, int)
     with LLM(**engine, kv_offloading_size=tier_gib(64, block_size)) as tiered:
-        got, cached = _three_waves(tiered, first, other, 16)
+        got, cached = three_waves(tiered, first, other, 16)
         scheduler = tiered.engine.scheduler
         stats = scheduler.stats()
     assert got == want

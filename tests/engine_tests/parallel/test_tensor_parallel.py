@@ -18,6 +18,7 @@ import pytest
 from quire_engine import LLM, SamplingParams
 from quire_engine.core.config import EngineConfig
 from quire_engine.model.sharding import check
+from tests.engine_tests.engine.test_host_tier_engine import paging_prompts, three_waves, tier_gib
 from tests.engine_tests.model.test_llm_equivalence import CORE_VARIANTS, check_greedy
 from tests.engine_tests.models import ARCHITECTURES, COMMON
 
@@ -87,3 +88,23 @@ def test_tensor_parallel_size_is_validated() -> None:
         EngineConfig.from_flat(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer"):
         EngineConfig.from_flat(tensor_parallel_size=1.5)
+
+
+def test_host_tier_under_tensor_parallelism_matches_one_rank() -> None:
+    """Every rank keeps its own heads' share of the host tier and performs the step plan's
+    offloads and loads: TP=2 with a tier (prompts evicted and coming back, preemption by
+    recompute) gives the tokens of one rank with a pool that never evicts."""
+    first, other = paging_prompts()
+    engine = {"device": "cpu", "block_size": 8, "max_model_len": 128, "max_num_seqs": 8}
+    with LLM("tiny", num_blocks=256, **engine) as one:
+        want, _ = three_waves(one, first, other, 16)
+    # 64 blocks of every rank: kv_offloading_size counts the ranks together.
+    tier = tier_gib(64, 8)
+    with LLM(
+        "tiny", num_blocks=16, tensor_parallel_size=2, kv_offloading_size=tier, **engine
+    ) as two:
+        got, cached = three_waves(two, first, other, 16)
+        stats = two.engine.scheduler.stats()
+    assert got == want
+    assert stats.host is not None and stats.host.capacity == 64 and stats.host.hits > 0
+    assert sum(cached) > 0
