@@ -14,8 +14,9 @@ prefix; this module only copies (``ModelRunner`` is its only user and calls it f
   tensors is deferred to the next ``finish`` (the start of a later step's moves): no step waits
   for an offload.
 * ``load`` (host -> device) first completes pending offloads (a load may read what an earlier
-  step, or rarely this one, offloaded: then it waits for that copy), gathers the host blocks into pinned staging and copies them asynchronously on
-  the current stream, ahead of the forward that reads them.
+  step, or rarely this one, offloaded: then it waits for that copy), gathers the host blocks
+  into pinned staging and copies them asynchronously on the current stream, ahead of the
+  forward that reads them.
 
 The host tensors themselves are plain pageable memory mapped lazily (``runner.zeroed``): a large
 tier costs nothing at start-up and resident memory grows with the blocks it holds.
