@@ -118,6 +118,6 @@ class HostPool:
         target = torch.tensor(dst, dtype=torch.long, device=self.device)
         for host, pool in zip(self.tensors, device_pools, strict=True):
             staged = torch.empty((len(src), *host.shape[1:]), dtype=host.dtype, pin_memory=True)
-            torch.index_select(host, 0, index, out=staged)
+            staged.copy_(host[index])  # indexing, as swap_blocks does: defined for 8-bit dtypes
             # Pinned source: asynchronous on the current stream, ahead of the forward's reads.
             pool[target] = staged.to(self.device, non_blocking=True)
