@@ -80,6 +80,7 @@ def example_args() -> list[str]:
         "--max-num-seqs", "256",
         "--enable-prefix-caching",
         "--preemption-mode", "recompute",
+        "--kv-offloading-size", "0",
         "--log-format", "json",
         "--shutdown-timeout", "30",
     ]  # fmt: skip
@@ -195,6 +196,7 @@ def test_engine_settings_become_flags() -> None:
         "swapSpaceGiB": 8.5,
         "dtype": "bfloat16",
         "kvCacheDtype": "fp8",
+        "kvOffloadingSizeGiB": 16,
         "extraArgs": ["--max-waiting", "128", "--seed=7"],
     }
     assert engine_args(isvc(engine=engine)) == [
@@ -206,6 +208,7 @@ def test_engine_settings_become_flags() -> None:
         "--max-num-seqs", "64",
         "--no-enable-prefix-caching",
         "--preemption-mode", "swap",
+        "--kv-offloading-size", "16",
         "--log-format", "json",
         "--shutdown-timeout", "30",
         "--max-num-batched-tokens", "8192",

@@ -61,6 +61,7 @@ MANAGED_FLAGS = (
     "--no-enable-prefix-caching",
     "--preemption-mode",
     "--swap-space",
+    "--kv-offloading-size",
     "--log-format",
     "--shutdown-timeout",
     # spec.parallelism (and, for a LeaderWorkerSet's workers, the group's own variables)
@@ -133,6 +134,7 @@ def engine_args(isvc: InferenceService) -> list[str]:
         "--max-num-seqs", str(engine.max_num_seqs),
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--preemption-mode", engine.preemption_mode,
+        "--kv-offloading-size", _number(engine.kv_offloading_size_gib),
         "--log-format", "json",
         "--shutdown-timeout", str(engine.shutdown_timeout_s),
     ]  # fmt: skip

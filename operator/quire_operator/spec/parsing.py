@@ -109,6 +109,7 @@ def parse_engine(engine: Mapping[str, Any]) -> EngineSpec:
         dtype=engine["dtype"],
         extra_args=tuple(engine.get("extraArgs") or ()),
         kv_cache_dtype=engine["kvCacheDtype"],
+        kv_offloading_size_gib=float(engine["kvOffloadingSizeGiB"]),
         shutdown_timeout_s=engine["shutdownTimeoutSeconds"],
         pre_stop_delay_s=engine["preStopDelaySeconds"],
     )

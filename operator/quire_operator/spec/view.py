@@ -106,6 +106,9 @@ class EngineSpec:
     extra_args: tuple[str, ...]
     # What the KV pool stores (--kv-cache-dtype): auto (the model's dtype) or an 8-bit format.
     kv_cache_dtype: str = "auto"
+    # The host tier under the prefix cache (--kv-offloading-size, GiB for all tensor-parallel
+    # ranks together; 0: none). Host memory the pod needs on top of the model and the swap pool.
+    kv_offloading_size_gib: float = 0.0
     # Drain on SIGTERM (``--shutdown-timeout``): in-flight requests get this long to finish.
     shutdown_timeout_s: int = 30
     # preStop sleep before SIGTERM, so endpoints drop the pod before the engine stops taking work.
