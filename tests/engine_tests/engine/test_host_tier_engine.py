@@ -1,6 +1,7 @@
 """The host tier end to end through ``LLM``: greedy outputs with the tier are token-identical to
 recomputing, whatever the paging (block sizes, chunked prefill, preemption by recompute and by
-swap) and the KV format, and a prompt evicted from the device pool is found in the tier
+swap, sliding windows, which leave hits before the window unloaded) and the KV format, and a
+prompt evicted from the device pool is found in the tier
 (``num_cached_tokens``) instead of recomputed.
 
 The issue's reproduction: ``LLM(num_blocks=64)``, six 160-token prompts, six others that evict
@@ -9,12 +10,14 @@ them, then the first six again: without a tier none of the rerun's prompt tokens
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.core.config import PreemptionMode
+from tests.engine_tests.models import build
 
 GIB = 2**30
 
@@ -112,3 +115,22 @@ def test_outputs_with_the_tier_equal_recomputing(config: str, device: str) -> No
     mode = engine.get("preemption_mode")
     if mode is not None:
         assert scheduler.num_preemptions[PreemptionMode(mode)] > 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_sliding_window_models_load_only_what_the_window_sees(arch: str, tmp_path: Path) -> None:
+    """Every layer has a sliding window: host hits wholly before the window of the first new
+    token are taken as released entries, not loaded; the tokens stay those of recomputing."""
+    path = str(build(arch, tmp_path / arch))
+    first, other = paging_prompts()
+    first, other = ([[t % 200 for t in p] for p in wave] for wave in (first, other))
+    engine: dict[str, Any] = {"device": "cpu", "block_size": 8, "max_model_len": 128}
+    engine["max_num_seqs"] = 8
+    with LLM(path, num_blocks=256, **engine) as oracle:
+        want, _ = three_waves(oracle, first, other, 16)
+    with LLM(path, num_blocks=16, kv_offloading_size=tier_gib(64, 8, 512), **engine) as tiered:
+        got, cached = three_waves(tiered, first, other, 16)
+        stats = tiered.engine.scheduler.stats()
+        assert tiered.engine.scheduler.kv.sliding_window is not None
+    assert got == want and sum(cached) > 0
+    assert stats.host is not None and 0 < stats.host.loaded < stats.host.hits // 8
