@@ -5,13 +5,15 @@ mounts (never bakes) into every ``RUN`` (``pip/<kind>/``: pip.conf and the host'
 
 Why not mount the host's pip cache: the Dockerfiles set ``PIP_NO_CACHE_DIR=1`` (so no cache is
 baked into a layer), and pip then ignores any cache directory whatever its configuration says.
-A ``find-links`` in a pip configuration file is not affected by that, and pip prefers a
-find-links file over an index file of the same version and tags. So before the build the host's
-pip downloads the project's dependencies into the wheelhouse (through the host's pip cache, which
-the test virtualenv's install already filled with torch and the CUDA wheels), and the build mounts
-the wheelhouse and a ``pip.conf`` naming it (where: see MOUNTED_WHEELS). pip inside the build
-still resolves against PyPI, exactly as the Dockerfile says; only where the bytes come from
-changes. The wheelhouse lives in ~/.cache/quire, which CI keeps, so it outlasts pip's cache too.
+A pip configuration file is read all the same. So before the build the host's pip resolves and
+downloads the project's dependencies (and its build requirements) into the wheelhouse, through
+the host's pip cache, which the test virtualenv's install already filled with torch and the CUDA
+wheels; the build mounts the wheelhouse and a ``pip.conf`` with ``find-links`` to it and
+``no-index`` (where: see MOUNTED_WHEELS). ``no-index`` because pip's resolver takes an index file
+over a find-links file of the same version, so without it torch came from PyPI again. pip in the
+build thus resolves the Dockerfile's requirement against the set the host resolved from PyPI
+moments before, for the same Python minor version and platform (no wheelhouse otherwise). The
+wheelhouse lives in ~/.cache/quire, which CI keeps, so it outlasts pip's cache too.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def volumes(config: Path, wheels: Path | None) -> list[str]:
         lines.append(f"cert = {MOUNTED_HOME}/{PIP_DIR}/ca-certificates.crt")
     flags = [f"--volume={config}:{MOUNTED_HOME}:ro"]
     if wheels is not None:
-        lines.append(f"find-links = {MOUNTED_WHEELS}")
+        lines += [f"find-links = {MOUNTED_WHEELS}", "no-index = true"]
         flags.append(f"--volume={wheels}:{MOUNTED_WHEELS}:ro")
     (pip_dir / "pip.conf").write_text("\n".join(lines) + "\n")
     return flags
