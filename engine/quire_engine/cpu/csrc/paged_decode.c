@@ -150,12 +150,13 @@ static inline __attribute__((always_inline)) void head_dots(const int kind, cons
             dot[t] += q[t * q_head + d] * elem_scalar(kind, kh[t] + d * esize);
 }
 
-/* o_h[d] += p_h[j] * vg[j * token_stride + d] for j = lo .. hi - 1 in order, for `nh` (1 or 2)
- * query heads h sharing the V rows vg: head h's output row at o + h * head_dim, its weights at
+/* o_h[d] += p_h[j] * vg[j * token_stride + d] for j = lo .. hi - 1 in order, for `nh` (1, 2 or
+ * 4) query heads h sharing the V rows vg: head h's output row at o + h * head_dim, its weights at
  * p + h * p_head. Four vectors of each row are held in registers over the tokens (a load and a
  * store of the row per token made pass 2 a chain through memory).
  * For an 8-bit kind (kind != QUIRE_KV_F32) vg holds bytes, widened in registers, and weight j
- * is p_h[j] * vs[j * kv_heads] (vs: the V scales of the rows, times the format's kv8_unit). */
+ * is p_h[j] * vs[j * kv_heads] (vs: the rows' V scales; decode_one applies kv8_unit at the
+ * end). */
 static inline __attribute__((always_inline)) void accumulate_v(
     const int kind, float *o, const float *p, const void *vg, const float *vs, int64_t kv_heads,
     int64_t token_stride, int64_t lo, int64_t hi, int64_t head_dim, int64_t p_head, const int nh)
@@ -168,7 +169,7 @@ static inline __attribute__((always_inline)) void accumulate_v(
 #define WEIGHT(ph, j) (kind == QUIRE_KV_F32 ? (ph)[j] : (ph)[j] * vs[(j) * kv_heads])
     int64_t d = 0;
     for (; d + 4 * LANES <= d_vec; d += 4 * LANES) {
-        vec acc[2][4];
+        vec acc[4][4];
         for (int h = 0; h < nh; h++)
             for (int c = 0; c < 4; c++)
                 acc[h][c] = vec_load(o + h * head_dim + d + c * LANES);
@@ -203,6 +204,15 @@ static inline __attribute__((always_inline)) void accumulate_v(
 #undef V_LOAD
 #undef V_AT
 }
+
+/* The most query heads whose output rows accumulate_v keeps in registers at once for an 8-bit
+ * pool, where each widened V vector is worth sharing: 4 x 4 accumulators with 16 lanes (of 32
+ * vector registers), 2 with 8 (of 16). */
+#if LANES == 16
+#define V_HEADS 4
+#else
+#define V_HEADS 2
+#endif
 
 /* What decode_one needs besides the sequence: the pools and the per-call head maps. */
 struct pools {
@@ -320,15 +330,30 @@ static inline __attribute__((always_inline)) void decode_one(
             l[hq] += sum;
         }
         /* o_hq += p[hq][j] v_j over the block's tokens in order: each output element a chain
-         * of fused multiply-adds. Query heads two at a time where they share a KV head (their
-         * V rows are the same loads), their output rows in registers across the block. */
+         * of fused multiply-adds. Query heads two (8-bit: up to V_HEADS) at a time where they
+         * share a KV head (their V rows are the same loads and widenings), their output rows in
+         * registers across the block. */
         for (int64_t hq = 0; hq < heads;) {
-            const int two = hq + 1 < heads && kv_off[hq + 1] == kv_off[hq];
+            /* The heads from hq on that share its KV head, up to V_HEADS (8-bit) or 2. */
+            int run = 1;
+            while (run < (kind == QUIRE_KV_F32 ? 2 : V_HEADS) && hq + run < heads &&
+                   kv_off[hq + run] == kv_off[hq])
+                run++;
             const int64_t at = kv_off[hq] * (kind == QUIRE_KV_F32 ? (int64_t)sizeof(float) : 1);
-            accumulate_v(kind, out + hq * head_dim, scores + hq * block_size - lo, vblock + at,
-                         kind == QUIRE_KV_F32 ? NULL : vscales + pl->kv_head[hq], kv_heads,
-                         token_stride, lo, hi, head_dim, block_size, two ? 2 : 1);
-            hq += two ? 2 : 1;
+            float *o = out + hq * head_dim;
+            const float *p = scores + hq * block_size - lo;
+            const float *vs = kind == QUIRE_KV_F32 ? NULL : vscales + pl->kv_head[hq];
+            /* nh a constant in each call, so the accumulators stay in registers */
+            if (run >= 4)
+                accumulate_v(kind, o, p, vblock + at, vs, kv_heads, token_stride, lo, hi, head_dim,
+                             block_size, 4);
+            else if (run >= 2)
+                accumulate_v(kind, o, p, vblock + at, vs, kv_heads, token_stride, lo, hi, head_dim,
+                             block_size, 2);
+            else
+                accumulate_v(kind, o, p, vblock + at, vs, kv_heads, token_stride, lo, hi, head_dim,
+                             block_size, 1);
+            hq += run >= 4 ? 4 : run >= 2 ? 2 : 1;
         }
     }
     for (int64_t hq = 0; hq < heads; hq++) {
