@@ -184,6 +184,7 @@ class ModelRunner:
                 f"fixed KV scales ({len(fixed_scales)} layers) need an 8-bit pool of {count} "
                 f"layers; the pool is {shape.storage_dtype}"
             )
+        self.fixed_scales = tuple(fixed_scales) if fixed_scales is not None else None
         fixed = list(fixed_scales) if fixed_scales is not None else [None] * count
         self._kv_layers = [
             LayerKV(k, v, ks, vs, f)
@@ -317,6 +318,14 @@ class ModelRunner:
             quire_metadata=md,
         )
         return result.logits[0].float()  # [num_sampling_seqs, vocab]
+
+    @property
+    def kv_scales(self) -> str:
+        """Where the pool's scales come from: none (not 8-bit), dynamic (per token, computed
+        on write) or checkpoint (the checkpoint's per-layer fp8 scales)."""
+        if not self.shape.quantized:
+            return "none"
+        return "checkpoint" if self.fixed_scales is not None else "dynamic"
 
     @property
     def device_pools(self) -> list[torch.Tensor]:
