@@ -17,7 +17,7 @@ from tests.images.base import PATH
 from tests.images.build import BuiltImage
 from tests.images.container import Bundle
 from tests.images.oci import Layout, archive_layer_sizes
-from tests.images.wheelhouse import MOUNTED_CONFIG_DIR, MOUNTED_WHEELS
+from tests.images.wheelhouse import MOUNTED_HOME, MOUNTED_WHEELS
 from tests.operator_tests.test_dockerfiles import exec_form, final_stage, one
 
 pytestmark = pytest.mark.slow
@@ -50,8 +50,11 @@ def check_config(image: BuiltImage) -> None:
 
 
 def check_no_build_mounts(bundle: Bundle) -> None:
-    for mounted in (MOUNTED_WHEELS, MOUNTED_CONFIG_DIR):
-        assert not (bundle.rootfs / mounted.lstrip("/")).exists(), f"{mounted} left in the image"
+    """The build mounted the wheelhouse and pip's configuration over directories of the base;
+    nothing of either is left in them."""
+    assert not list((bundle.rootfs / MOUNTED_WHEELS.lstrip("/")).iterdir())
+    home = bundle.rootfs / MOUNTED_HOME.lstrip("/")
+    assert sorted(p.name for p in home.iterdir()) == [".bashrc", ".profile"]
 
 
 def test_operator_image_is_what_its_dockerfile_says(

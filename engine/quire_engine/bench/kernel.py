@@ -3,7 +3,12 @@
 ``--device cpu`` measures the engine's CPU decode path instead (fp32, ``--threads`` torch
 threads, wall-clock medians): the native kernel (``cpu/native``, blocks read in place)
 against the torch path it replaces (``CpuAttentionPlan`` without it: gather the blocks, then
-SDPA) and against SDPA over a contiguous cache, with the same byte count.
+SDPA) and against SDPA over a contiguous cache, with the same byte count. With
+``--kv-cache-dtype`` (int8, fp8 = fp8_e4m3, fp8_e5m2, or ``all``) it measures the native
+kernel instead on a float32 pool and on the same K/V quantized into each 8-bit format asked
+for (``kv_quant``: a byte per element plus a float32 scale per token and KV head), side by
+side: time per call and per decoded token, bytes read, and each 8-bit format's error against
+the torch reference on the same 8-bit pools and against float32.
 
 Default shape (issue 3): 64 sequences decoding one token each over 2,048 cached positions, 32 query
 heads sharing 8 KV heads of size 128, bfloat16, 16-token blocks. Decode attention reads every
@@ -23,6 +28,7 @@ not served from cache. Each call is timed with its own pair of CUDA events; the 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -35,11 +41,17 @@ import torch.nn.functional as F
 
 from quire_engine.cpu import native
 from quire_engine.cpu.paged_attention import CpuAttentionPlan
+from quire_engine.kernels.kv_quant import SCALE_DTYPE, quantize
 from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
 from quire_engine.kernels.paged_attention_triton import choose_num_splits, paged_attention
 from quire_engine.kernels.triton_runtime import triton_usable
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --kv-cache-dtype (the serve flag's names; "all": every 8-bit format) -> the formats measured.
+KV_FORMATS = {
+    "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}  # fmt: skip
+KV_CHOICES = ("auto", "fp8", *KV_FORMATS, "all")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the native CPU kernel"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (--device cpu)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CHOICES,
+        default="auto",
+        help="--device cpu: the native kernel on float32 and on these 8-bit pools, side by side "
+        "(all: int8, fp8_e4m3, fp8_e5m2)",
+    )
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -99,6 +118,8 @@ def _validate(args: argparse.Namespace) -> None:
         )
     if args.warmup < 0 or args.peak_gbps <= 0:
         raise ValueError("--warmup must be >= 0 and --peak-gbps > 0")
+    if args.kv_cache_dtype != "auto" and args.device != "cpu":
+        raise ValueError("--kv-cache-dtype is measured with --device cpu (the native kernel)")
     if args.device == "cpu":
         if args.dtype != "fp32" or args.threads < 1:
             raise ValueError("--device cpu runs the native kernel: --dtype fp32, --threads >= 1")
@@ -231,8 +252,105 @@ def _run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _kv_formats(choice: str) -> list[str]:
+    if choice == "all":
+        return list(KV_FORMATS)
+    return ["fp8_e4m3" if choice == "fp8" else choice]
+
+
+def _quantized(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache`` quantized as the engine's write does (``kv_quant``), a few blocks at a time
+    (the whole pool at once would need several float32 copies of it)."""
+    data = torch.empty(cache.shape, dtype=dtype)
+    scales = torch.empty(cache.shape[:3], dtype=SCALE_DTYPE)
+    for i in range(0, cache.shape[0], 256):
+        data[i : i + 256], scales[i : i + 256] = quantize(cache[i : i + 256], dtype)
+    return data, scales
+
+
+def _run_cpu_kv8(args: argparse.Namespace) -> dict[str, Any]:
+    """The native kernel per call and per decoded token on float32 and 8-bit pools of the same
+    K/V (see the module docstring); errors on the first few sequences, where the torch paths
+    are cheap."""
+    torch.set_num_threads(args.threads)
+    kernel = native.paged_decode()
+    assert kernel is not None  # _validate checked
+    batch, context, kv_heads, head_dim = args.batch, args.context, args.num_kv_heads, args.head_dim
+    gen = torch.Generator().manual_seed(args.seed)
+    blocks_per_seq = -(-context // args.block_size)
+    shape = (batch * blocks_per_seq, args.block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = torch.randperm(shape[0], generator=gen).view(batch, blocks_per_seq).to(torch.int32)
+    q = torch.randn(batch, args.num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    check = min(batch, 4)  # sequences whose outputs are compared
+    plan_args = {
+        "slots": np.zeros(check, dtype=np.int64),  # unused: nothing is written
+        "block_tables": tables[:check].numpy(),
+        "seq_lens": np.full(check, context, dtype=np.int64),
+        "query_start_loc": np.arange(check + 1, dtype=np.int64),
+        "block_size": args.block_size,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+    }
+    native_plan = CpuAttentionPlan.build(**plan_args, native=kernel, num_threads=args.threads)
+    torch_plan = CpuAttentionPlan.build(**plan_args)
+    full_plan = CpuAttentionPlan.build(
+        **{**plan_args, "slots": np.zeros(batch, dtype=np.int64),
+           "block_tables": tables.numpy(), "seq_lens": np.full(batch, context, dtype=np.int64),
+           "query_start_loc": np.arange(batch + 1, dtype=np.int64)},
+        native=kernel, num_threads=args.threads,
+    )  # fmt: skip
+    fp32_out = native_plan.attend(q[:check], k_cache, v_cache, scale)
+    tokens = batch * context * kv_heads  # (token, KV head) rows of K, and of V, read per call
+    qo_bytes = 2 * batch * args.num_heads * head_dim * 4  # q read, out written (fp32)
+    formats: dict[str, dict[str, Any]] = {}
+    for name in ["fp32", *_kv_formats(args.kv_cache_dtype)]:
+        pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+        if name == "fp32":
+            pools = (k_cache, v_cache, None, None)
+            kv_bytes = 2 * tokens * head_dim * 4
+        else:
+            (kq, ks), (vq, vs) = (_quantized(c, KV_FORMATS[name]) for c in (k_cache, v_cache))
+            pools = (kq, vq, ks, vs)
+            kv_bytes = 2 * tokens * (head_dim + SCALE_DTYPE.itemsize)
+        kc, vc, ks8, vs8 = pools
+        call = functools.partial(full_plan.attend, q, kc, vc, scale, k_scale=ks8, v_scale=vs8)
+        ms = median_wall_ms(call, args.warmup, args.iters)
+        row: dict[str, Any] = {
+            "bytes_per_call": kv_bytes + qo_bytes,
+            "native_ms": round(ms, 4),
+            "us_per_token": round(ms * 1e3 / batch, 3),  # one call: one token of each sequence
+            "gbps": round((kv_bytes + qo_bytes) / (ms * 1e-3) / 1e9, 2),
+        }
+        if name != "fp32":
+            got = native_plan.attend(q[:check], kc, vc, scale, k_scale=ks8, v_scale=vs8)
+            want = torch_plan.attend(q[:check], kc, vc, scale, k_scale=ks8, v_scale=vs8)
+            row["speedup_vs_fp32"] = round(formats["fp32"]["native_ms"] / ms, 3)
+            row["bytes_vs_fp32"] = round(
+                row["bytes_per_call"] / formats["fp32"]["bytes_per_call"], 4
+            )
+            row["max_abs_diff_vs_reference"] = (got - want).abs().max().item()
+            row["max_abs_diff_vs_fp32"] = (got - fp32_out).abs().max().item()
+        formats[name] = row
+    return {
+        "device": "cpu",
+        "threads": args.threads,
+        "batch": batch,
+        "context": context,
+        "num_heads": args.num_heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": args.block_size,
+        "kernel_flags": " ".join(kernel.flags),
+        "kv_formats": formats,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _validate(args)
+    if args.device == "cpu" and args.kv_cache_dtype != "auto":
+        return _run_cpu_kv8(args)
     if args.device == "cpu":
         return _run_cpu(args)
     device, dtype = torch.device("cuda"), DTYPES[args.dtype]

@@ -9,7 +9,9 @@ decides when it may (the measured gains are in docs/benchmarks.md).
 When: the model is one of ``FAMILIES`` (their decoder layer is transformers' Llama layer:
 pre-norm RMSNorm, RoPE over the full head, SiLU-gated MLP, no logit scaling or soft-cap) with
 exactly those module classes, fp32 weights that ``linear_cpu`` routes, and every layer's
-attention plain or windowed (``attention.LayerAttention``); and the step is a pure decode step
+attention plain or windowed (``attention.LayerAttention``), over fp32 or 8-bit K/V pools
+(``--kv-cache-dtype``: the new K/V quantized as they are written, with the layers' fixed
+scales when the checkpoint has them); and the step is a pure decode step
 (every sequence one new token, every one sampling) of at most ``MAX_ROWS`` sequences.
 Anything else takes the module path, unchanged.
 
@@ -22,7 +24,9 @@ exp round differently from torch's. So logits equal the module path's to roundin
 steps each row's logits are the same bits whatever other rows share the step (every part is
 computed row by row, in an order that depends only on the row; a step with a prefill runs the
 modules instead), and the HF equivalence suite, whose decode steps run through here, checks
-greedy tokens against transformers' ``generate``.
+greedy tokens against transformers' ``generate``. An 8-bit pool's new rows are quantized by
+``csrc/kv_quant.c``, ``kv_quant``'s rule bit for bit: the same K/V floats give the module
+path's bytes and scales (K/V that differ by rounding may round to a neighbouring 8-bit value).
 
 Ownership: a ``DecoderStack`` reads (never writes) the model's weights and writes each step's
 K/V into the runner's pools at its slots, as the module path does. It hands raw addresses to C,
@@ -52,8 +56,9 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from quire_engine.cpu import linear as linear_cpu
-from quire_engine.cpu.native import DecoderArgs, DecoderDecode
+from quire_engine.cpu.native import KV_KINDS, DecoderArgs, DecoderDecode
 from quire_engine.cpu.paged_attention import check_decode_tables
+from quire_engine.kernels.kv_quant import FixedScales
 from quire_engine.kernels.paged_attention_inputs import LayerAttention
 
 # Causal LM class -> (its model, decoder layer, attention, MLP and RMSNorm classes): checked
@@ -106,6 +111,9 @@ class DecoderStack:
         k_caches: Sequence[torch.Tensor],
         v_caches: Sequence[torch.Tensor],
         block_size: int,
+        k_scales: Sequence[torch.Tensor] = (),
+        v_scales: Sequence[torch.Tensor] = (),
+        fixed: np.ndarray | None = None,
     ) -> None:
         self.kernel = kernel
         self.model = model  # the runner drives this stack only while it drives this model
@@ -119,19 +127,25 @@ class DecoderStack:
         self.dims = dims
         self.windows = windows  # int64 [L], 0: none
         self.scales = scales  # float32 [L]
-        self._caches = (list(k_caches), list(v_caches))  # kept alive with their addresses
+        # The pools and an 8-bit pool's scales, kept alive with their addresses.
+        self._caches = (list(k_caches), list(v_caches), list(k_scales), list(v_scales))
+        self.kv_dtype = k_caches[0].dtype
+        self.fixed = fixed  # float32 [L, 2]: an 8-bit pool's fixed (K, V) scales; None: dynamic
         self.num_blocks = int(k_caches[0].shape[0])
         self.block_size = block_size
         num_layers = len(windows)
         fields = DecoderDecode.LAYER_FIELDS
-        per_layer = len(fields) - 2  # the table's last two fields: the pools
-        assert fields[per_layer:] == ("k_cache", "v_cache")
+        per_layer = len(fields) - 4  # the table's last four fields: the pools and their scales
+        assert fields[per_layer:] == ("k_cache", "v_cache", "k_scale", "v_scale")
         table = np.zeros((num_layers, len(fields)), dtype=np.int64)
         table[:, :per_layer] = np.array(self._addresses[: num_layers * per_layer]).reshape(
             num_layers, per_layer
         )
         table[:, per_layer] = [k.data_ptr() for k in k_caches]
         table[:, per_layer + 1] = [v.data_ptr() for v in v_caches]
+        if k_scales:  # else 0: a float32 pool has none
+            table[:, per_layer + 2] = [k.data_ptr() for k in k_scales]
+            table[:, per_layer + 3] = [v.data_ptr() for v in v_scales]
         self._table = table
         embed, norm, lm_head, lm_bias = self._addresses[num_layers * per_layer :]
         # The call's arguments: the model's here, once; the step's set by each decode.
@@ -140,7 +154,8 @@ class DecoderStack:
             windows=windows.ctypes.data, scales=scales.ctypes.data, embed=embed,
             final_norm=norm, lm_head=lm_head, lm_bias=lm_bias or None, vocab=dims.vocab,
             hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
-            inter=dims.inter, eps=dims.eps, block_size=block_size,
+            inter=dims.inter, eps=dims.eps, block_size=block_size, kv_kind=KV_KINDS[self.kv_dtype],
+            kv_fixed=None if fixed is None else fixed.ctypes.data,
         )  # fmt: skip
         self._rotary = model.model.rotary_emb  # checked by _check
         # cos/sin of positions [0, rows), [rows, head_dim] each, from the rotary module's own
@@ -160,18 +175,32 @@ class DecoderStack:
         v_caches: Sequence[torch.Tensor],
         block_size: int,
         kernel: DecoderDecode,
+        k_scales: Sequence[torch.Tensor] = (),
+        v_scales: Sequence[torch.Tensor] = (),
+        fixed: Sequence[FixedScales] | None = None,
     ) -> DecoderStack | str:
-        """The stack, or why this model cannot run through it (the runner logs it)."""
+        """The stack, or why this model cannot run through it (the runner logs it). An 8-bit
+        pool comes with its scale pools (``k_scales``, ``v_scales``: one per layer) and, when
+        the checkpoint has them, each layer's ``fixed`` scales (else dynamic ones)."""
         found = _check(model, layers, k_caches, v_caches, block_size)
         if isinstance(found, str):
             return found
+        problem = _check_scales(k_caches, k_scales, v_scales, fixed)
+        if problem is not None:
+            return problem
+        fixed_table = None
+        if fixed is not None:
+            fixed_table = np.array([[f.k, f.v] for f in fixed], dtype=np.float32)
         sources, dims = found
         windows = np.array([layer.sliding_window or 0 for layer in layers], dtype=np.int64)
         scales = np.array(
             [dims.head_dim**-0.5 if a.scaling is None else a.scaling for a in layers],
             dtype=np.float32,
         )
-        return cls(kernel, model, sources, dims, windows, scales, k_caches, v_caches, block_size)
+        return cls(
+            kernel, model, sources, dims, windows, scales, k_caches, v_caches, block_size,
+            k_scales, v_scales, fixed_table,
+        )  # fmt: skip
 
     def current(self) -> bool:
         """Whether the model is still the one the table describes: the same modules (one
@@ -191,7 +220,8 @@ class DecoderStack:
         tables: np.ndarray,  # int32 [n, W], C-contiguous
         seq_lens: np.ndarray,  # int64 [n]: context length including the token
     ) -> torch.Tensor:
-        """float32 logits ``[n, vocab]``; writes the step's K/V into the pools. ``ValueError``
+        """float32 logits ``[n, vocab]``; writes the step's K/V into the pools (quantized into
+        an 8-bit pool, its scales beside). ``ValueError``
         for an index outside the model or the pool (nothing is written then)."""
         d = self.dims
         n = len(input_ids)
@@ -302,8 +332,11 @@ def _check(
     if len(k_caches) != len(blocks) or len(v_caches) != len(blocks):
         return "one K and one V pool per layer are needed"
     pools = [*k_caches, *v_caches]
-    if any(p.dtype != torch.float32 or not p.is_cpu or not p.is_contiguous() for p in pools):
-        return "the K/V pools are not contiguous fp32 CPU tensors"
+    kv_dtype = k_caches[0].dtype if k_caches else torch.float32
+    if kv_dtype not in KV_KINDS or any(
+        p.dtype != kv_dtype or not p.is_cpu or not p.is_contiguous() for p in pools
+    ):
+        return "the K/V pools are not contiguous CPU tensors of one fp32 or 8-bit dtype"
     embed = inner.embed_tokens
     if not _exactly(embed, torch.nn.Embedding) or not _exactly(inner.norm, norm_cls):
         return "the embedding or the final norm is not the family's own module"
@@ -348,7 +381,7 @@ def _check(
         row["post_norm"] = (block.post_attention_layernorm, "weight")
         for field, m in zip(("q", "k", "v", "o", "gate", "up", "down"), linears, strict=True):
             row[field], row[f"{field}_bias"] = (m, "weight"), (m, "bias")
-        sources += [row[field] for field in DecoderDecode.LAYER_FIELDS[:-2]]
+        sources += [row[field] for field in DecoderDecode.LAYER_FIELDS[:-4]]
     eps = {float(m.variance_epsilon) for m in norms}
     if len(eps) != 1:
         return f"the RMSNorms' epsilons differ: {sorted(eps)}"
@@ -368,6 +401,37 @@ def _check(
     sources += [(embed, "weight"), (inner.norm, "weight"), (lm, "weight"), (lm, "bias")]
     vocab, vocab_rows = int(lm.weight.shape[0]), int(embed.weight.shape[0])
     return sources, _Dims(hidden, heads, kv_heads, head_dim, inter, vocab, vocab_rows, eps.pop())
+
+
+def _check_scales(
+    k_caches: Sequence[torch.Tensor],
+    k_scales: Sequence[torch.Tensor],
+    v_scales: Sequence[torch.Tensor],
+    fixed: Sequence[FixedScales] | None,
+) -> str | None:
+    """Why the scale pools (and fixed scales) do not fit the pools ``_check`` accepted, or None:
+    an 8-bit pool needs one contiguous fp32 CPU ``[num_blocks, block_size, kv_heads]`` K and V
+    scale pool per layer, a float32 one none; fixed scales, one positive finite pair per
+    layer, only with an 8-bit pool."""
+    layers = len(k_caches)
+    if k_caches[0].dtype == torch.float32:
+        if k_scales or v_scales or fixed is not None:
+            return "scales or fixed scales given with float32 pools"
+        return None
+    if len(k_scales) != layers or len(v_scales) != layers:
+        return f"an 8-bit pool needs one K and one V scale pool per layer ({layers})"
+    want = tuple(k_caches[0].shape[:3])
+    for t in (*k_scales, *v_scales):
+        if tuple(t.shape) != want or t.dtype != torch.float32:
+            return f"the scale pools are not all fp32 {want}"
+        if not t.is_cpu or not t.is_contiguous():
+            return "the scale pools are not contiguous CPU tensors"
+    if fixed is not None:
+        if len(fixed) != layers:
+            return f"fixed scales for {len(fixed)} layers, not {layers}"
+        if not all(0.0 < s < float("inf") for f in fixed for s in (f.k, f.v)):
+            return "a fixed KV scale that is not positive and finite"
+    return None
 
 
 def _edges(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:

@@ -4,15 +4,21 @@
   sequence's scattered blocks into a contiguous, padded copy before SDPA can read them, so
   decode attention moves each K/V byte three times (read, write, read again) and pays for
   padding; the kernel reads the blocks where they lie, once (vLLM's CPU backend does the same
-  with C++ kernels; on CUDA the Triton kernel does it).
+  with C++ kernels; on CUDA the Triton kernel does it). It reads float32 pools and the 8-bit
+  ones of ``--kv-cache-dtype`` (int8, fp8 e4m3fn and e5m2, with their scales), the latter
+  widened in registers (``csrc/kv_quant.h``): a quarter of the bytes.
 * ``csrc/skinny_linear.c``: ``nn.Linear`` for a few rows (small-batch decode), where a BLAS
   sgemm's packing of the weight doubles the memory traffic that bounds the call
   (``linear_cpu`` routes the calls).
 * ``csrc/decoder_decode.c``: a whole decode step of a few sequences of a Llama-shaped model in
   one call, built on the two kernels above (``decoder`` checks the model and drives it):
   at a few rows the module-by-module forward pays per-op dispatch that this call does not.
+* ``csrc/kv_quant.c``: ``kernels/kv_quant``'s write rule (quantizing a K/V row into 8 bits
+  and its scale), byte for byte: the decode step above writes its new tokens with it
+  (``KvQuantize`` exposes it to the tests).
 
-``csrc/quire_native.h`` declares every kernel's entry point and the math they share.
+``csrc/quire_native.h`` declares every kernel's entry point and the math they share;
+``csrc/kv_quant.h`` how 8-bit elements are read.
 
 Build and cache (the same approach as Triton's launchers and torch's inline extensions):
 
@@ -28,11 +34,12 @@ Build and cache (the same approach as Triton's launchers and torch's inline exte
   engine logs one warning and runs the torch paths: slower, same results to rounding.
 
 Contract. This module owns the compiled library (one per process, loaded once). The C code
-trusts what it is given; Python checks it first: ``PagedDecode`` and ``SkinnyLinear`` check every
-tensor's dtype, shape and strides before a pointer crosses into C (``SkinnyLinear.launch`` skips
-them for ``linear``'s router, which checks what it needs itself); the callers
-(``CpuAttentionPlan``, ``linear``, ``decoder.DecoderStack``) own the index arrays and the
-routing and check that every index stays inside its pool, table or embedding. At load,
+trusts what it is given; Python checks it first: ``PagedDecode``, ``KvQuantize`` and
+``SkinnyLinear`` check every tensor's dtype, shape and strides before a pointer crosses into C
+(``SkinnyLinear.launch`` skips them for ``linear``'s router, which checks what it needs
+itself); the callers (``CpuAttentionPlan``, ``linear``, ``decoder.DecoderStack``) own the index
+arrays and the routing and check that every index stays inside its pool, table or embedding.
+At load,
 ``DecoderDecode`` checks that the library's layer table and argument struct
 (``csrc/quire_native.h``) are the ones ``LAYER_FIELDS`` and ``DecoderArgs`` describe, by name,
 and refuses the library otherwise. Return codes of the C entry points become exceptions here:
@@ -60,8 +67,11 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 # One library, built together; HEADERS are part of its identity (the cache key).
-SOURCES = (_CSRC / "paged_decode.c", _CSRC / "skinny_linear.c", _CSRC / "decoder_decode.c")
-HEADERS = (_CSRC / "quire_native.h",)
+SOURCES = (
+    _CSRC / "paged_decode.c", _CSRC / "skinny_linear.c", _CSRC / "decoder_decode.c",
+    _CSRC / "kv_quant.c",
+)  # fmt: skip
+HEADERS = (_CSRC / "quire_native.h", _CSRC / "kv_quant.h")
 # Tried in order; the first that compiles is used. OpenMP lets a step's sequences spread over
 # torch's thread count; -march=native turns on the CPU's vector units (AVX2/AVX-512/NEON).
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
@@ -76,6 +86,8 @@ ENV_VARS = ("QUIRE_KERNEL_CACHE", "QUIRE_NATIVE_KERNELS")
 _BASE_FLAGS = ("-O3", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+# Pool element dtype -> enum quire_kv_kind (csrc/quire_native.h).
+KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def enabled() -> bool:
@@ -157,14 +169,14 @@ class PagedDecode:
         self.flags = lib.flags
         fn = lib.cdll.quire_paged_decode
         fn.restype = ctypes.c_int
-        fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
-        fn.argtypes += [_I, ctypes.c_float, _P, _I]
+        fn.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I]
+        fn.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _I]
         self._fn = fn
 
     def __call__(
         self,
         q: torch.Tensor,  # [T, heads, D] fp32, D contiguous
-        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D] fp32, contiguous
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D] fp32 or 8-bit, contiguous
         v_cache: torch.Tensor,
         rows: np.ndarray,  # int64 [n]
         tables: np.ndarray,  # int32 [n, W], C-contiguous
@@ -174,11 +186,14 @@ class PagedDecode:
         num_threads: int = 1,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,  # 8-bit pools: fp32 [num_blocks, block_size, kv_heads]
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Write rows ``rows`` of ``out``. The caller guarantees each ``lens[i]`` is in
         ``1 .. W * block_size``, each used block id is in the pool and each row is below T.
         ``sliding_window``: each query sees its last that many positions; ``softcap``: scores
-        are ``softcap * tanh(scale * q.k / softcap)``."""
+        are ``softcap * tanh(scale * q.k / softcap)``. An 8-bit pool (int8, float8_e4m3fn,
+        float8_e5m2) comes with its scales (``kernels/kv_quant``), read in place."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if softcap is not None and not 0.0 < softcap < float("inf"):
@@ -186,8 +201,11 @@ class PagedDecode:
         n = len(rows)
         _, heads, head_dim = q.shape
         _, block_size, kv_heads, kv_dim = k_cache.shape
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-            raise ValueError(f"native decode needs fp32 q and K/V, got {q.dtype}/{k_cache.dtype}")
+        kind = KV_KINDS.get(k_cache.dtype)
+        if q.dtype != torch.float32 or kind is None:
+            raise ValueError(
+                f"native decode needs fp32 q and fp32 or 8-bit K/V, got {q.dtype}/{k_cache.dtype}"
+            )
         if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError("native decode: K and V pools differ in shape or dtype")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
@@ -196,6 +214,7 @@ class PagedDecode:
             raise ValueError(f"native decode: q {tuple(q.shape)} does not fit K/V {kv_dim}")
         if out.dtype != torch.float32 or q.device.type != "cpu" or k_cache.device.type != "cpu":
             raise ValueError("native decode runs on CPU fp32 tensors")
+        scales = _check_scales(k_cache, k_scale, v_scale, "native decode")
         if rows.dtype != np.int64 or lens.dtype != np.int64 or tables.dtype != np.int32:
             raise ValueError("native decode: rows/lens int64, tables int32")
         if tables.ndim != 2 or len(tables) != n or len(lens) != n or not tables.flags.c_contiguous:
@@ -204,12 +223,66 @@ class PagedDecode:
             return
         failed = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-            rows.ctypes.data, tables.ctypes.data, tables.shape[1], lens.ctypes.data, n,
-            block_size, heads, kv_heads, head_dim, scale, sliding_window or 0, softcap or 0.0,
-            out.data_ptr(), num_threads,
+            *scales, kind, rows.ctypes.data, tables.ctypes.data, tables.shape[1],
+            lens.ctypes.data, n, block_size, heads, kv_heads, head_dim, scale,
+            sliding_window or 0, softcap or 0.0, out.data_ptr(), num_threads,
         )  # fmt: skip
         if failed:
             raise MemoryError("native decode: could not allocate its scratch scores")
+
+
+def _check_scales(
+    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, what: str
+) -> tuple[int | None, int | None]:
+    """The scale pools' addresses for ``cache``'s dtype: (None, None) for float32; for an 8-bit
+    pool both must be contiguous fp32 CPU ``[num_blocks, block_size, kv_heads]``."""
+    if cache.dtype == torch.float32:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{what}: scales belong to 8-bit pools, not float32 ones")
+        return None, None
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{what}: an 8-bit {cache.dtype} pool needs its k_scale and v_scale")
+    for t in (k_scale, v_scale):
+        if t.shape != cache.shape[:3] or t.dtype != torch.float32:
+            raise ValueError(
+                f"{what}: scales must be float32 {tuple(cache.shape[:3])}, got {t.dtype} "
+                f"{tuple(t.shape)}"
+            )
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{what}: scales must be contiguous CPU tensors")
+    return k_scale.data_ptr(), v_scale.data_ptr()
+
+
+class KvQuantize:
+    """The loaded ``quire_kv_quantize`` symbol (``csrc/kv_quant.c``): ``kernels/kv_quant``'s
+    write rule in C, which the native decode step uses to write its new K/V. Exposed to check
+    it against ``kv_quant.quantize`` byte for byte."""
+
+    def __init__(self, lib: Library) -> None:
+        fn = lib.cdll.quire_kv_quantize
+        fn.restype = None
+        fn.argtypes = [_P, _I, _I, _I, ctypes.c_float, _P, _P]
+        self._fn = fn
+
+    def __call__(
+        self, x: torch.Tensor, dtype: torch.dtype, fixed: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[..., D]`` fp32 -> (``dtype`` data of its shape, float32 scales ``[...]``),
+        as ``kv_quant.quantize``; ``fixed``: one positive finite scale for every row."""
+        kind = KV_KINDS.get(dtype)
+        if kind is None or dtype == torch.float32:
+            raise ValueError(f"not an 8-bit KV dtype: {dtype}")
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1:
+            raise ValueError("native quantize takes a CPU fp32 tensor [..., D]")
+        if fixed is not None and not 0.0 < fixed < float("inf"):
+            raise ValueError(f"a fixed KV scale must be positive and finite, got {fixed!r}")
+        x = x.contiguous()
+        data = torch.empty(x.shape, dtype=dtype)
+        scales = torch.empty(x.shape[:-1], dtype=torch.float32)
+        rows, d = scales.numel(), x.shape[-1]
+        if rows and d:
+            self._fn(x.data_ptr(), rows, d, kind, fixed or 0.0, data.data_ptr(), scales.data_ptr())
+        return data, scales
 
 
 class SkinnyLinear:
@@ -298,6 +371,8 @@ class DecoderArgs(ctypes.Structure):
         ("inter", _I),
         ("eps", ctypes.c_float),
         ("block_size", _I),
+        ("kv_kind", _I),  # KV_KINDS[pool dtype]
+        ("kv_fixed", _P),  # float32 [num_layers, 2]: fixed (K, V) scales, or NULL (dynamic)
         # The step.
         ("n", _I),
         ("ids", _P),  # int64 [n]
@@ -324,6 +399,7 @@ class DecoderDecode:
     LAYER_FIELDS = (
         "input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "o", "o_bias", "post_norm",
         "gate", "gate_bias", "up", "up_bias", "down", "down_bias", "k_cache", "v_cache",
+        "k_scale", "v_scale",
     )  # fmt: skip
 
     def __init__(self, lib: Library) -> None:
@@ -359,7 +435,9 @@ class DecoderDecode:
         """``quire_decoder_decode(&args)``."""
         failed = self._fn(ctypes.byref(args))
         if failed == 2:
-            raise RuntimeError("native decoder: its layer table disagrees with the library")
+            raise RuntimeError(
+                "native decoder: its layer table or KV kind disagrees with the library"
+            )
         if failed:
             raise MemoryError("native decoder: could not allocate its scratch memory")
 
@@ -379,6 +457,13 @@ def skinny_linear() -> SkinnyLinear | None:
 
 
 @functools.cache
+def kv_quantize() -> KvQuantize | None:
+    """The native KV quantizer, or None when the native kernels are off or cannot be built."""
+    lib = library()
+    return None if lib is None else KvQuantize(lib)
+
+
+@functools.cache
 def decoder_decode() -> DecoderDecode | None:
     """The native decode step, or None when the native kernels are off or cannot be built."""
     lib = library()
@@ -388,7 +473,7 @@ def decoder_decode() -> DecoderDecode | None:
 def reset() -> None:
     """Forget the loaded library and kernels, so that the next call builds or loads them again
     under the current environment (tests; a process that changed ``QUIRE_*`` or ``CC``)."""
-    for cached in (library, paged_decode, skinny_linear, decoder_decode):
+    for cached in (library, paged_decode, skinny_linear, kv_quantize, decoder_decode):
         cached.cache_clear()
 
 

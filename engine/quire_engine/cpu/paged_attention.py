@@ -10,8 +10,9 @@ host arrays; ``write_kv`` and ``attend`` then cost the tensor work and a few cal
 Semantics are the reference's (``finite_cache=True``: the runner zero-initialises its pools and
 writes only model K/V into them):
 
-* decode sequences (one query token): with the native kernel (``native.paged_decode``, fp32),
-  one C call per layer that reads every sequence's blocks in place; otherwise longest first, in
+* decode sequences (one query token): with the native kernel (``native.paged_decode``, fp32
+  queries over fp32 or 8-bit pools), one C call per layer that reads every sequence's blocks
+  in place (an 8-bit pool's bytes and scales, widened in registers); otherwise longest first, in
   chunks whose gathered K stays near ``_DECODE_CHUNK_BYTES`` and whose contexts are at least
   half the chunk's padded length, one SDPA call per chunk over the gathered
   ``[n, padded, kv_heads, D]`` context, masked by length, with the query heads of each KV head
@@ -114,7 +115,7 @@ class CpuAttentionPlan:
         num_threads: int = 1,
     ) -> CpuAttentionPlan:
         """``native``: run decode rows through the native kernel (the runner passes it only
-        for fp32 pools) on up to ``num_threads`` threads."""
+        for an fp32 model, whose pools are fp32 or 8-bit) on up to ``num_threads`` threads."""
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
         q_lens = [b - a for a, b in itertools.pairwise(starts)]
@@ -190,20 +191,19 @@ class CpuAttentionPlan:
     ) -> torch.Tensor:
         """``[T, heads, D]`` in ``q.dtype``; K/V of the step must be written first. A window or
         soft-cap only where ``handles`` says so. An 8-bit pool's gathered blocks are
-        dequantized as they are gathered (the pool stays 8-bit)."""
+        dequantized as they are gathered (the pool stays 8-bit); the native kernel reads it
+        in place."""
         if not self.handles(sliding_window, softcap):
             raise ValueError("this plan's torch path has no sliding window or soft-cap")
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if (nd := self.native) is not None and len(nd.rows):
-            if k_scale is not None:
-                raise ValueError("the native decode kernel has no 8-bit path yet")
             if nd.max_block >= k_cache.shape[0]:
                 raise ValueError(f"block {nd.max_block} is outside a pool of {k_cache.shape[0]}")
             qn = q if q.stride(2) == 1 else q.contiguous()
             nd.kernel(
                 qn, k_cache, v_cache, nd.rows, nd.tables, nd.lens, scale, out, nd.num_threads,
-                sliding_window, softcap,
+                sliding_window, softcap, k_scale, v_scale,
             )  # fmt: skip
         for c in self.decode:
             k = _gather(k_cache, k_scale, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)

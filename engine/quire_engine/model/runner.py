@@ -153,14 +153,12 @@ class ModelRunner:
         self.shape = shape
         self.device = device
         self.use_triton = triton_usable(device)
-        # CPU decode attention through the native kernel when it builds (fp32 pools only; it
-        # logs why not otherwise): it reads blocks in place instead of gathering them.
+        # CPU decode attention through the native kernel when it builds (an fp32 model, its
+        # pools fp32 or 8-bit; it logs why not otherwise): it reads blocks in place instead of
+        # gathering them.
         self.native_decode = (
             native.paged_decode()
-            if device.type == "cpu"
-            and not self.use_triton
-            and shape.dtype == torch.float32
-            and not shape.quantized
+            if device.type == "cpu" and not self.use_triton and shape.dtype == torch.float32
             else None
         )
         # Matmuls of a few rows (small-batch decode) through the native kernel on CPU: the BLAS
@@ -240,9 +238,12 @@ class ModelRunner:
         kernel = native.decoder_decode()
         if kernel is None:
             return None
+        # An 8-bit pool's scale pools, and its fixed scales when every layer has them.
+        fixed = [kv.fixed for kv in self._kv_layers if kv.fixed is not None]
         built = decoder_cpu.DecoderStack.build(
-            self.model, self._layers, self.k_caches, self.v_caches, self.shape.block_size, kernel
-        )
+            self.model, self._layers, self.k_caches, self.v_caches, self.shape.block_size, kernel,
+            self.k_scales, self.v_scales, fixed or None,
+        )  # fmt: skip
         if isinstance(built, str):
             logger.info("native decoder off for this model (module path only): %s", built)
             return None

@@ -5,8 +5,9 @@ a memory error under AddressSanitizer.
   less) compiles with ``-Wall -Wextra -Werror`` on top: any warning fails. A flag set this
   compiler cannot build at all (no OpenMP, say) is not the sources' fault and is passed over;
   at least one must build.
-* ``native_asan_driver.py`` runs every kernel (``paged_decode``, ``skinny_linear``,
-  ``decoder_decode``) on small, odd-sized inputs from a library built with
+* ``native_asan_driver.py`` runs every kernel (``paged_decode``, ``kv_quantize``,
+  ``skinny_linear``, ``decoder_decode``; the first and last on float32 and each 8-bit KV
+  format) on small, odd-sized inputs from a library built with
   ``-fsanitize=address``, in a child Python with the ASan runtime preloaded: it must exit 0
   with no ASan report.
 

@@ -27,17 +27,8 @@ from quire_engine.cpu.paged_attention import CpuAttentionPlan
 from quire_engine.kernels.kv_cache_ops import write_kv_reference
 from quire_engine.kernels.paged_attention_inputs import PagedAttentionInputs
 from quire_engine.kernels.paged_attention_reference import paged_attention_reference
-from tests.engine_tests.toolchain import require_native_kernels
 
 ATOL = RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def kernel() -> native.PagedDecode:
-    require_native_kernels()
-    built = native.paged_decode()
-    assert built is not None
-    return built
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-/* One decode step of a Llama-shaped decoder stack on CPU (fp32), every layer in one call.
+/* One decode step of a Llama-shaped decoder stack on CPU (fp32 weights; a float32 or 8-bit KV
+ * cache), every layer in one call.
  *
  * Contract. Loaded by quire_engine/cpu/native.py (DecoderDecode) and driven by cpu/decoder.py
  * (DecoderStack) for the steps where every sequence decodes one token and there are at most
@@ -21,8 +22,14 @@
  * summation order, another exp). Each row is computed in an order that depends only on that row,
  * so a row's logits are the same bits whatever other rows share the step.
  *
+ * An 8-bit cache (kv_kind other than QUIRE_KV_F32): each new token's K and V rows are
+ * quantized as they are written (csrc/kv_quant.c, kernels/kv_quant.py's rule bit for bit: the
+ * module path's write gives the same bytes and scales), with the layer's fixed scales when
+ * kv_fixed is set, and the attention reads the 8-bit pools in place.
+ *
  * Layout notes beyond the struct's: a pool is [num_blocks, block_size, kv_heads, head_dim]
- * contiguous, so a slot's K row is kv_heads * head_dim floats at slot * kv_heads * head_dim;
+ * contiguous, so a slot's K row is kv_heads * head_dim elements at slot * kv_heads * head_dim,
+ * and in an 8-bit pool its kv_heads scales at slot * kv_heads of the scale pool;
  * cos/sin are read at row rope_rows[t] in place, so a table over positions (rope_rows = the
  * positions) needs no gather.
  *
@@ -66,6 +73,7 @@ const char *const quire_layer_field_names[QUIRE_LAYER_FIELDS] = {
     [F_UP] = "up",                 [F_UP_BIAS] = "up_bias",
     [F_DOWN] = "down",             [F_DOWN_BIAS] = "down_bias",
     [F_K_CACHE] = "k_cache",       [F_V_CACHE] = "v_cache",
+    [F_K_SCALE] = "k_scale",       [F_V_SCALE] = "v_scale",
 };
 const int64_t quire_layer_field_count = QUIRE_LAYER_FIELDS;
 
@@ -74,7 +82,7 @@ const int64_t quire_layer_field_count = QUIRE_LAYER_FIELDS;
 #define DECODER_ARGS(X)                                                                        \
     X(layers) X(layer_fields) X(num_layers) X(windows) X(scales) X(embed) X(final_norm)        \
     X(lm_head) X(lm_bias) X(vocab) X(hidden) X(heads) X(kv_heads) X(head_dim) X(inter) X(eps)  \
-    X(block_size) X(n) X(ids) X(cos) X(sin) X(rope_rows) X(slots) X(tables) X(table_stride)    \
+    X(block_size) X(kv_kind) X(kv_fixed) X(n) X(ids) X(cos) X(sin) X(rope_rows) X(slots) X(tables) X(table_stride)    \
     X(lens) X(logits) X(num_threads)
 #define ARG_NAME(name) #name,
 #define ARG_OFFSET(name) (int64_t) offsetof(struct quire_decoder_args, name),
@@ -149,7 +157,8 @@ static void add_into(float *h, const float *y, int64_t count)
 
 int quire_decoder_decode(const struct quire_decoder_args *args)
 {
-    if (args->layer_fields != QUIRE_LAYER_FIELDS)
+    if (args->layer_fields != QUIRE_LAYER_FIELDS || args->kv_kind < QUIRE_KV_F32 ||
+        args->kv_kind > QUIRE_KV_E5M2)
         return 2;
     const int64_t *layers = args->layers, *windows = args->windows;
     const float *scales = args->scales, *embed = args->embed, *final_norm = args->final_norm;
@@ -160,6 +169,8 @@ int quire_decoder_decode(const struct quire_decoder_args *args)
     const int64_t inter = args->inter, block_size = args->block_size, n = args->n;
     const int64_t table_stride = args->table_stride, num_threads = args->num_threads;
     const float eps = args->eps;
+    const int64_t kind = args->kv_kind;
+    const float *kv_fixed = args->kv_fixed;
     const int64_t *ids = args->ids, *rope_rows = args->rope_rows, *slots = args->slots;
     const int64_t *lens = args->lens;
     const int32_t *tables = args->tables;
@@ -196,18 +207,31 @@ int quire_decoder_decode(const struct quire_decoder_args *args)
                             k, kv_width, num_threads);
         quire_skinny_linear(x, hidden, n, FIELD(row, F_V), FIELD(row, F_V_BIAS), kv_width, hidden,
                             v, kv_width, num_threads);
-        float *k_cache = FIELD(row, F_K_CACHE), *v_cache = FIELD(row, F_V_CACHE);
+        char *k_cache = (char *)FIELD(row, F_K_CACHE), *v_cache = (char *)FIELD(row, F_V_CACHE);
+        float *k_scale = FIELD(row, F_K_SCALE), *v_scale = FIELD(row, F_V_SCALE);
+        /* 8-bit: the layer's fixed scales, or 0 (dynamic). */
+        const float k_fixed = kv_fixed != NULL ? kv_fixed[2 * l] : 0.0f;
+        const float v_fixed = kv_fixed != NULL ? kv_fixed[2 * l + 1] : 0.0f;
         for (int64_t t = 0; t < n; t++) {
             const float *c = cos + rope_rows[t] * head_dim;
             const float *s = sin + rope_rows[t] * head_dim;
             rope(q + t * q_width, heads, head_dim, c, s, tmp);
             rope(k + t * kv_width, kv_heads, head_dim, c, s, tmp);
-            memcpy(k_cache + slots[t] * kv_width, k + t * kv_width, sizeof(float) * kv_width);
-            memcpy(v_cache + slots[t] * kv_width, v + t * kv_width, sizeof(float) * kv_width);
+            if (kind == QUIRE_KV_F32) {
+                const size_t bytes = sizeof(float) * (size_t)kv_width;
+                memcpy(k_cache + slots[t] * (int64_t)bytes, k + t * kv_width, bytes);
+                memcpy(v_cache + slots[t] * (int64_t)bytes, v + t * kv_width, bytes);
+            } else {
+                quire_kv_quantize(k + t * kv_width, kv_heads, head_dim, kind, k_fixed,
+                                  k_cache + slots[t] * kv_width, k_scale + slots[t] * kv_heads);
+                quire_kv_quantize(v + t * kv_width, kv_heads, head_dim, kind, v_fixed,
+                                  v_cache + slots[t] * kv_width, v_scale + slots[t] * kv_heads);
+            }
         }
-        failed = quire_paged_decode(q, q_width, head_dim, k_cache, v_cache, rows, tables,
-                                    table_stride, lens, n, block_size, heads, kv_heads, head_dim,
-                                    scales[l], windows[l], 0.0f, attn, num_threads);
+        failed = quire_paged_decode(q, q_width, head_dim, k_cache, v_cache, k_scale, v_scale,
+                                    kind, rows, tables, table_stride, lens, n, block_size, heads,
+                                    kv_heads, head_dim, scales[l], windows[l], 0.0f, attn,
+                                    num_threads) != 0;
         quire_skinny_linear(attn, q_width, n, FIELD(row, F_O), FIELD(row, F_O_BIAS), hidden,
                             q_width, x, hidden, num_threads);
         add_into(h, x, n * hidden);

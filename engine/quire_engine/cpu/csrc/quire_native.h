@@ -13,12 +13,29 @@
 #include <immintrin.h>
 #endif
 
-/* csrc/paged_decode.c */
-int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const float *k,
-                       const float *v, const int64_t *rows, const int32_t *tables,
-                       int64_t table_stride, const int64_t *lens, int64_t n, int64_t block_size,
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                       int64_t window, float softcap, float *out, int64_t num_threads);
+/* What one K or V element of a pool is (native.py's KV_KINDS maps torch dtypes to these). An
+ * 8-bit pool has beside it a float32 scale per token and KV head (kernels/kv_quant.py owns the
+ * format; csrc/kv_quant.c writes it, csrc/kv_quant.h reads it). */
+enum quire_kv_kind {
+    QUIRE_KV_F32 = 0,  /* float32, no scales */
+    QUIRE_KV_INT8 = 1, /* int8 */
+    QUIRE_KV_E4M3 = 2, /* float8_e4m3fn */
+    QUIRE_KV_E5M2 = 3, /* float8_e5m2 */
+};
+
+/* csrc/paged_decode.c: k, v are pools of `kind` elements; k_scale, v_scale their scales (NULL
+ * for QUIRE_KV_F32). Returns 0, 1 when scratch could not be allocated, 2 for an unknown kind. */
+int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
+                       const float *k_scale, const float *v_scale, int64_t kind,
+                       const int64_t *rows, const int32_t *tables, int64_t table_stride,
+                       const int64_t *lens, int64_t n, int64_t block_size, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
+                       float softcap, float *out, int64_t num_threads);
+
+/* csrc/kv_quant.c: `rows` rows of d floats at x quantized into `kind` (an 8-bit kind) at data,
+ * each row's scale into scales[row]; fixed > 0: that scale for every row, else dynamic. */
+void quire_kv_quantize(const float *x, int64_t rows, int64_t d, int64_t kind, float fixed,
+                       void *data, float *scales);
 
 /* csrc/skinny_linear.c */
 void quire_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
@@ -48,8 +65,10 @@ enum quire_layer_field {
     F_UP_BIAS,    /* [inter] or 0 */
     F_DOWN,       /* [hidden, inter] */
     F_DOWN_BIAS,  /* [hidden] or 0 */
-    F_K_CACHE,    /* the layer's K pool (written at `slots`, read by the attention) */
+    F_K_CACHE,    /* the layer's K pool of kv_kind elements (written at `slots`, then read) */
     F_V_CACHE,    /* the layer's V pool */
+    F_K_SCALE,    /* an 8-bit pool's K scales [num_blocks, block_size, kv_heads], else 0 */
+    F_V_SCALE,    /* its V scales, else 0 */
     QUIRE_LAYER_FIELDS
 };
 extern const char *const quire_layer_field_names[QUIRE_LAYER_FIELDS];
@@ -61,7 +80,7 @@ extern const int64_t quire_layer_field_count;
  * the whole (quire_decoder_args_size): the loader refuses a library whose layout differs from its
  * mirror.
  *
- * Every tensor is fp32 and C-contiguous unless stated. Ownership: the caller owns every array and
+ * Every tensor is fp32 and C-contiguous unless stated (the pools: of kv_kind). Ownership: the caller owns every array and
  * keeps it alive for the call; the call reads the weights, writes the step's K/V into the pools
  * and the logits, and keeps no pointer after it returns. Who checks what: the caller
  * (cpu/decoder.py) checks every shape and every index (token ids inside the embedding, rope rows
@@ -86,6 +105,9 @@ struct quire_decoder_args {
     int64_t inter;           /* the MLP's width */
     float eps;               /* every RMSNorm's epsilon */
     int64_t block_size;      /* tokens per block of the pools */
+    int64_t kv_kind;         /* enum quire_kv_kind of every layer's pools */
+    const float *kv_fixed;   /* [num_layers, 2]: each layer's fixed (K, V) scales for an 8-bit
+                              * pool, or NULL: dynamic per-token scales (csrc/kv_quant.c) */
     /* The step. */
     int64_t n;               /* sequences, one new token each */
     const int64_t *ids;      /* int64 [n]: token ids, each in 0 .. vocab_rows - 1 */
@@ -106,7 +128,7 @@ extern const int64_t quire_decoder_args_size;
 
 /* Returns 0; 1 when scratch memory could not be allocated (the logits are not written, and the
  * K/V of some layers may be: the caller fails the step); 2 when args->layer_fields is not
- * QUIRE_LAYER_FIELDS (nothing is touched). */
+ * QUIRE_LAYER_FIELDS or args->kv_kind is unknown (nothing is touched). */
 int quire_decoder_decode(const struct quire_decoder_args *args);
 
 /* exp(x) for x <= 0 (a softmax numerator), written so that the compiler vectorizes it: libm's
