@@ -43,6 +43,7 @@ EXIT_FAILED, EXIT_REFUSED = 1, 2
 # Kubernetes keeps at most 4096 bytes of a termination message.
 MAX_TERMINATION_MESSAGE = 4096
 _CHUNK = 1 << 20
+GGUF_SUFFIX = ".gguf"  # model.gguf.SUFFIX, without importing transformers here
 
 
 class CacheError(RuntimeError):
@@ -105,6 +106,12 @@ def read_marker(model_dir: Path) -> Completion | None:
         return None
     except (ValueError, KeyError, TypeError) as err:
         raise CacheError(f"{model_dir / MARKER} is not a completion record: {err}") from err
+
+
+def cache_dir(model: Path) -> Path:
+    """The cache directory ``--model`` is in: the directory itself, or, for one file of the
+    repository (a GGUF file, ``deployment.model_path``), the directory holding it."""
+    return model.parent if model.suffix == GGUF_SUFFIX else model
 
 
 def wait_for_cache(
