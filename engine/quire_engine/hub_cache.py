@@ -50,6 +50,10 @@ class CacheError(RuntimeError):
     """The model cache cannot be filled or is not complete (the message says why)."""
 
 
+class FileNotInRepo(CacheError):
+    """The one file asked for is not in the repository at that revision: no retry helps."""
+
+
 @dataclass(frozen=True)
 class CachedFile:
     """One file of the repository: its path in it, size, and sha256 (LFS files only)."""
@@ -62,12 +66,20 @@ class CachedFile:
 @dataclass(frozen=True)
 class Completion:
     """What the marker records: the repository, the revision asked for (None: the default
-    branch), the commit it resolved to, and every file."""
+    branch), the commit it resolved to, every file, and ``only``: the one file asked for (a
+    GGUF file of a repository holding several), None when it is the whole repository."""
 
     repo: str
     revision: str | None
     commit: str
     files: tuple[CachedFile, ...]
+    only: str | None = None
+
+    def holds(self, repo: str, revision: str | None, only: str | None) -> bool:
+        """Whether this directory already answers a download of ``repo`` at ``revision``
+        (``only``: one file of it)."""
+        same = (self.repo, self.revision) == (repo, revision)
+        return same and (self.only is None or self.only == only)
 
     @property
     def bytes(self) -> int:
@@ -79,6 +91,7 @@ class Completion:
             "revision": self.revision,
             "commit": self.commit,
             "bytes": self.bytes,
+            **({"only": self.only} if self.only is not None else {}),
             "files": [
                 {"path": f.path, "size": f.size, **({"sha256": f.sha256} if f.sha256 else {})}
                 for f in self.files
@@ -88,7 +101,7 @@ class Completion:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Completion:
         files = tuple(CachedFile(f["path"], int(f["size"]), f.get("sha256")) for f in data["files"])
-        return cls(data["repo"], data.get("revision"), data["commit"], files)
+        return cls(data["repo"], data.get("revision"), data["commit"], files, data.get("only"))
 
     def summary(self) -> str:
         """One JSON line for the Job's termination message (far under its 4096 bytes)."""
@@ -201,13 +214,15 @@ def download(
     revision: str | None = None,
     endpoint: str | None = None,
     token: str | None = None,
+    only: str | None = None,
 ) -> Completion:
-    """Fill ``model_dir`` with ``repo`` at ``revision`` and mark it complete; a directory
-    already marked for the same repo and revision is returned as it is, without a request.
-    ``endpoint``/``token`` None: huggingface_hub's own (``HF_ENDPOINT``, ``HF_TOKEN``).
-    Raises ``CacheError`` when a file does not match the Hub's metadata."""
+    """Fill ``model_dir`` with ``repo`` at ``revision`` (``only``: just that file of it, a GGUF
+    file) and mark it complete; a directory already marked for them is returned as it is,
+    without a request. ``endpoint``/``token`` None: huggingface_hub's own (``HF_ENDPOINT``,
+    ``HF_TOKEN``). Raises ``CacheError`` when a file does not match the Hub's metadata,
+    ``FileNotInRepo`` when ``only`` is not a file of the repository."""
     done = read_marker(model_dir)
-    if done is not None and (done.repo, done.revision) == (repo, revision):
+    if done is not None and done.holds(repo, revision, only):
         return done
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / MARKER).unlink(missing_ok=True)  # another repo or revision was here
@@ -216,14 +231,26 @@ def download(
     )
     if info.sha is None or info.siblings is None:
         raise CacheError(f"the Hub's answer for {repo}@{revision} has no commit or file list")
-    snapshot_download(repo, revision=info.sha, local_dir=model_dir, endpoint=endpoint, token=token)
-    files, problems = verify(model_dir, info.siblings)
+    siblings = info.siblings
+    if only is not None:
+        siblings = [s for s in siblings if s.rfilename == only]
+        if not siblings:
+            raise FileNotInRepo(f"{repo}@{info.sha} has no file {only!r}")
+    snapshot_download(
+        repo,
+        revision=info.sha,
+        local_dir=model_dir,
+        endpoint=endpoint,
+        token=token,
+        allow_patterns=None if only is None else [only],
+    )
+    files, problems = verify(model_dir, siblings)
     if problems:
         raise CacheError(
             f"{repo}@{info.sha}: {len(problems)} file(s) do not match the Hub's metadata and "
             f"were deleted: {'; '.join(problems)}"
         )
-    completion = Completion(repo, revision, info.sha, files)
+    completion = Completion(repo, revision, info.sha, files, only)
     _write_marker(model_dir, completion)
     return completion
 
@@ -243,18 +270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     fetch.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
     fetch.add_argument("--dir", required=True, type=Path, help="the model's directory")
     fetch.add_argument(
+        "--file", default=None, help="fetch only this file of the repository (a GGUF file)"
+    )
+    fetch.add_argument(
         "--termination-message-path",
         default=None,
         help="where to write the outcome for Kubernetes (a JSON line, or the error)",
     )
     args = parser.parse_args(argv)
     try:
-        completion = download(args.repo, args.dir, revision=args.revision)
+        completion = download(args.repo, args.dir, revision=args.revision, only=args.file)
     except Exception as err:  # every failure ends the Job's pod with its reason
         message = f"{type(err).__name__}: {err}"
         print(message, file=sys.stderr)
         _write_termination_message(args.termination_message_path, message)
-        refused = (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError)
+        refused = (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, FileNotInRepo)
         return EXIT_REFUSED if isinstance(err, refused) else EXIT_FAILED
     summary = completion.summary()
     print(summary)

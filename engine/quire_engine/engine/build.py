@@ -89,7 +89,11 @@ def _load(
     with phase(StartupPhase.WEIGHTS):
         model = config.model
         loaded = model_loader.load(
-            model.model, device, dtype, model.chat_template, comm,
+            model.model,
+            device,
+            dtype,
+            model.chat_template,
+            comm,
             tokenizer_path=model.tokenizer,
         )
     vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009

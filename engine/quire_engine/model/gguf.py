@@ -42,7 +42,7 @@ _TIED = "lm_head.weight"
 
 @dataclass(frozen=True, slots=True)
 class GgufFile:
-    """One ``.gguf`` file: transformers reads it as ``from_pretrained(directory, gguf_file=name)``."""
+    """One ``.gguf`` file, read as ``from_pretrained(directory, gguf_file=name)``."""
 
     path: Path
 

@@ -70,7 +70,11 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
     model = config.model
     dtype = loader.resolve_dtype(model.dtype, device)
     loaded = loader.load(
-        model.model, device, dtype, model.chat_template, comm,
+        model.model,
+        device,
+        dtype,
+        model.chat_template,
+        comm,
         tokenizer_path=model.tokenizer,
     )
     cache = plan_cache(config, loaded, device, dtype, comm)
