@@ -105,13 +105,14 @@ def load_model(file: GgufFile) -> Any:
     attaches is dropped, since the weights it describes are now plain tensors."""
     from transformers import GgufConfig
 
-    net, info = AutoModelForCausalLM.from_pretrained(
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         file.directory,
         gguf_file=file.name,
         dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=file.name, dequantize=True),
         output_loading_info=True,
     )
+    net, info = loaded  # the model and what loading found (missing_keys, ...)
     tied = bool(getattr(net.config, "tie_word_embeddings", False))
     missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == _TIED))
     if missing:

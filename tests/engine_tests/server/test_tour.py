@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[3] / "README.md"
 TOUR_URL = "http://127.0.0.1:8000"
 ANSWER = "The capital of France is Paris."
+LOAD_TIMEOUT_S = 600.0
 
 
 def blocks(language: str) -> list[str]:
@@ -66,7 +67,10 @@ def tour_server(smollm2_gguf: Path) -> Iterator[RunningServer]:
         engine=EngineConfig.from_flat(engine),
         served_model_names=(flags["--served-model-name"],),
     )
-    with serve(settings) as running:
+    # Dequantizing the file takes longer than serve()'s usual readiness wait on busy cores.
+    with serve(settings, wait_ready=False) as running:
+        ready = lambda: httpx2.get(f"{running.url}/ready").status_code == 200  # noqa: E731
+        running.wait_until(ready, "SmolLM2 loaded", timeout=LOAD_TIMEOUT_S)
         yield running
 
 
