@@ -2,9 +2,12 @@
 verified, marked complete; and the engine's wait for that mark.
 
 Two programs use it. The operator's download Job (``python -m quire_engine.hub_cache download``)
-fetches ``repo`` at ``revision`` with huggingface_hub into a directory of the model cache volume;
-engines mount the same volume read-only and, with ``quire-engine serve --wait-for-model-cache``,
-load the model only once ``wait_for_cache`` has seen the directory complete.
+fetches ``repo`` at ``revision`` with huggingface_hub into a directory of the model cache volume
+(or, with ``--file``, only that file of it: one GGUF file of a repository holding one per
+quantization; the marker records it as ``only``); engines mount the same volume read-only and,
+with ``quire-engine serve --wait-for-model-cache``, load the model only once ``wait_for_cache``
+has seen the directory complete (``cache_dir``: the directory of a ``--model`` that is one file
+in it).
 
 Ownership: the download Job is the only writer of the directory. It pins the revision to the
 commit the Hub names for it before fetching anything, so a branch moving meanwhile cannot mix two
