@@ -8,8 +8,9 @@ those whose output is tested token-exact against transformers' own ``generate``
 
 Nothing is downloaded: ``model`` is a local checkpoint directory as the hub ships it (the
 operator's init container fetches ``hf://`` models into a volume; sharded safetensors with their
-index, ``generation_config.json``, the tokenizer and its chat template) or ``"tiny"``/``None``
-for the embedded model.
+index, ``generation_config.json``, the tokenizer and its chat template), a GGUF file or a
+directory holding one (``gguf``: read and dequantized by transformers), or ``"tiny"``/``None``
+for the embedded model. ``tokenizer_path`` replaces the model's tokenizer with a directory's.
 
 Load-time refusals (``ValueError``, never a silent approximation): an architecture not in the
 tested list; an attention call Quire cannot honour (``attention.inspect_layers``); a RoPE that
@@ -261,11 +262,11 @@ def _load_tokenizer(
 def _check_checkpoint(path: Path, model: str) -> None:
     if not path.is_dir():
         raise ValueError(
-            f"model {model!r} is not a local directory (Quire loads local checkpoints; "
-            f"use model='tiny' for the embedded model)"
+            f"model {model!r} is not a local directory (Quire loads local checkpoints and "
+            f"GGUF files; use model='tiny' for the embedded model)"
         )
     if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {path} has no config.json")
+        raise ValueError(f"model directory {path} has no config.json (and no .gguf file)")
     for index in path.glob("*.index.json"):
         # A sharded checkpoint: every shard its index names must be there.
         try:
