@@ -10,10 +10,11 @@ architecture must be one Quire serves, and the model is cast to the serving dtyp
 
 Refusals (``ValueError``): a split file (``-00001-of-00003.gguf``: transformers reads one file;
 merge it with llama.cpp's ``llama-gguf-split --merge``), several ``.gguf`` files in a directory,
-an architecture transformers does not map from GGUF (it cannot build a config), and a file that
-lacks tensors the mapped model needs (a llama.cpp architecture transformers maps to a different
-model, such as a Mixtral stored as ``llama`` with experts: loading it would leave those weights
-random).
+an architecture transformers does not map from GGUF (it cannot build a config), a file whose
+tensors have other shapes than the config transformers maps from it (its mapping reads no Qwen3
+head size, so a Qwen3 whose head_dim is not 128 fails), and a file that lacks tensors the mapped
+model needs (a llama.cpp architecture transformers maps to a different model, such as a Mixtral
+stored as ``llama`` with experts: loading it would leave those weights random).
 """
 
 from __future__ import annotations
@@ -105,13 +106,21 @@ def load_model(file: GgufFile) -> Any:
     attaches is dropped, since the weights it describes are now plain tensors."""
     from transformers import GgufConfig
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(
-        file.directory,
-        gguf_file=file.name,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=file.name, dequantize=True),
-        output_loading_info=True,
-    )
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            file.directory,
+            gguf_file=file.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(gguf_file=file.name, dequantize=True),
+            output_loading_info=True,
+        )
+    except RuntimeError as exc:
+        # transformers refuses tensors whose shapes differ from the config it mapped (a head
+        # size its GGUF mapping does not read, such as Qwen3's attention.key_length).
+        raise ValueError(
+            f"transformers cannot load the GGUF file {file.path} as the config it maps from "
+            f"it: {str(exc).splitlines()[-1]}"
+        ) from exc
     net, info = loaded  # the model and what loading found (missing_keys, ...)
     tied = bool(getattr(net.config, "tie_word_embeddings", False))
     missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == _TIED))

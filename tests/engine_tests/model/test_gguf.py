@@ -5,7 +5,10 @@ the refusals (an architecture transformers cannot map, one it maps to a model Qu
 serve, a file lacking the mapped model's tensors, split and ambiguous files).
 
 The families: every GGUF architecture transformers maps to a model Quire serves maps to it here
-(metadata-only files, written with the ``gguf`` package: the config is all that is read).
+(metadata-only files, written with the ``gguf`` package: the config is all that is read); and
+tiny Llama, Qwen2 and Qwen3 checkpoints written as GGUF files (``gguf_files``: llama.cpp's
+names, metadata and Llama q/k row order) are served token-identical to transformers reading
+those files.
 
 Cost: two loads of the 135M model (about 40 s each on 2 busy cores: transformers dequantizes
 272 tensors) and transformers' greedy reference.
@@ -13,7 +16,7 @@ Cost: two loads of the 135M model (about 40 s each on 2 busy cores: transformers
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.model import gguf, loader
+from tests.engine_tests import gguf_files, models
 from tests.engine_tests.model.test_llm_equivalence import LOGPROB_TOLERANCE
 from tests.engine_tests.model.test_real_model import FRANCE, MAX_TOKENS, QUESTIONS, chat_prompt
-from tests.engine_tests.models import greedy_reference
 from tests.engine_tests.ties import TIE_MARGIN
 
 pytestmark = pytest.mark.slow
@@ -64,6 +67,21 @@ def metadata_only(path: Path, arch: str, name: str | None = None) -> Path:
     return path
 
 
+def assert_greedy_matches(
+    paths: Sequence[models.GreedyPath], results: Sequence[Any], labels: Sequence[str]
+) -> None:
+    """Quire's greedy outputs (with top-5 logprobs) are transformers' paths: token for token,
+    log-probabilities within tolerance at every step, away from near-ties."""
+    for label, ref, result in zip(labels, paths, results, strict=True):
+        assert min(ref.margins) >= TIE_MARGIN, (label, ref.margins)
+        out = result.outputs[0]
+        assert out.logprobs is not None
+        for step, top in enumerate(out.logprobs):
+            errors = {c: abs(lp - float(ref.logprobs[step, c])) for c, lp in top.items()}
+            assert max(errors.values()) <= LOGPROB_TOLERANCE, (label, step, errors)
+        assert out.token_ids == ref.tokens, label
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf: Path) -> Iterator[LLM]:
     with LLM(str(smollm2_gguf), **ENGINE_ARGS) as engine:
@@ -86,16 +104,9 @@ def test_greedy_chat_matches_transformers_on_the_file(
     # The file's tokenizer and chat template, as transformers reads them.
     assert llm.tokenizer.chat_template == tokenizer.chat_template
     assert [chat_prompt(llm.tokenizer, q) for q in QUESTIONS] == prompts
-    paths = [greedy_reference(reference, p, MAX_TOKENS) for p in prompts]
+    paths = [models.greedy_reference(reference, p, MAX_TOKENS) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    for question, ref, result in zip(QUESTIONS, paths, llm.generate(prompts, params), strict=True):
-        assert min(ref.margins) >= TIE_MARGIN, (question, ref.margins)
-        out = result.outputs[0]
-        assert out.logprobs is not None
-        for step, top in enumerate(out.logprobs):
-            errors = {c: abs(lp - float(ref.logprobs[step, c])) for c, lp in top.items()}
-            assert max(errors.values()) <= LOGPROB_TOLERANCE, (question, step, errors)
-        assert out.token_ids == ref.tokens, question
+    assert_greedy_matches(paths, llm.generate(prompts, params), QUESTIONS)
 
 
 def test_the_file_answers_and_stops_at_its_eos(llm: LLM) -> None:
@@ -139,6 +150,42 @@ def test_every_served_gguf_family_maps_to_its_model(
     config = gguf.read_config(gguf.GgufFile(metadata_only(tmp_path / "m.gguf", arch, name)))
     assert config.architectures == [FAMILIES[arch, name]]
     assert FAMILIES[arch, name] in loader.SUPPORTED_ARCHITECTURES
+
+
+# models.ARCHITECTURES name -> overrides: transformers' GGUF mapping reads no Qwen3 head size, so
+# it takes Qwen3Config's default (128, every released Qwen3's).
+WRITTEN = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
+TINY_PROMPTS = ([5, 17, 99, 200, 3, 44], [256, 72, 101, 108, 108, 111])
+TINY_TOKENS = 12
+
+
+@pytest.mark.parametrize("arch", list(WRITTEN))
+def test_a_written_gguf_file_is_served_token_identical(tmp_path: Path, arch: str) -> None:
+    checkpoint = models.build(arch, tmp_path / arch, **WRITTEN[arch])
+    source: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    file = gguf_files.write(source, tmp_path / f"{arch}.gguf")
+    reference: Any = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=file.name, dtype=torch.float32
+    ).eval()
+    # The writer is faithful: transformers reads back the checkpoint's own tensors.
+    theirs = reference.state_dict()
+    assert all(torch.equal(t, theirs[k]) for k, t in source.state_dict().items())
+    paths = [models.greedy_reference(reference, list(p), TINY_TOKENS) for p in TINY_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=TINY_TOKENS, ignore_eos=True, logprobs=5)
+    engine = {**ENGINE_ARGS, "max_model_len": 64, "tokenizer": str(checkpoint)}
+    with LLM(str(file), **engine) as llm:
+        results = llm.generate([list(p) for p in TINY_PROMPTS], params)
+    assert_greedy_matches(paths, results, [arch] * len(paths))
+
+
+def test_a_file_transformers_maps_to_other_shapes_is_refused(tmp_path: Path) -> None:
+    """A Qwen3 whose head size is not Qwen3Config's default: transformers maps the file to
+    tensors of other shapes, and the load says so instead of raising transformers' error."""
+    checkpoint = models.build("qwen3", tmp_path / "qwen3", head_dim=16)
+    source: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    file = gguf_files.write(source, tmp_path / "qwen3.gguf")
+    with pytest.raises(ValueError, match="transformers cannot load the GGUF file"):
+        loader.load(str(file), CPU, torch.float32, tokenizer_path=str(checkpoint))
 
 
 def test_architectures_that_cannot_be_served_are_refused(tmp_path: Path) -> None:
