@@ -13,7 +13,8 @@ answers what ``HfApi.model_info``, ``list_repo_tree``, ``snapshot_download`` and
   files the sha256, also as ``X-Linked-Etag``), ``X-Linked-Size`` for LFS files;
 - ``GET /{repo}/resolve/{rev}/{path}``: the bytes, with ``Range: bytes=N-`` answered 206.
 
-``rev`` is ``main`` or the commit. Files named ``*.safetensors`` are the LFS ones, as on the Hub.
+``rev`` is ``main`` or the commit. Files named ``*.safetensors`` and ``*.gguf`` are the LFS ones,
+as on the Hub.
 Faults, for tests: ``corrupt`` serves other bytes (same size) for a path than the metadata
 promises; ``cut`` sends only the first half of a path's body on its next full GET and drops the
 connection; ``rate`` sends file bodies at that many bytes per second, as a slow link would.
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-LFS_SUFFIXES = (".safetensors",)
+LFS_SUFFIXES = (".safetensors", ".gguf")
 
 
 @dataclass(frozen=True)

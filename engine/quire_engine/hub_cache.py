@@ -2,9 +2,12 @@
 verified, marked complete; and the engine's wait for that mark.
 
 Two programs use it. The operator's download Job (``python -m quire_engine.hub_cache download``)
-fetches ``repo`` at ``revision`` with huggingface_hub into a directory of the model cache volume;
-engines mount the same volume read-only and, with ``quire-engine serve --wait-for-model-cache``,
-load the model only once ``wait_for_cache`` has seen the directory complete.
+fetches ``repo`` at ``revision`` with huggingface_hub into a directory of the model cache volume
+(or, with ``--file``, only that file of it: one GGUF file of a repository holding one per
+quantization; the marker records it as ``only``); engines mount the same volume read-only and,
+with ``quire-engine serve --wait-for-model-cache``, load the model only once ``wait_for_cache``
+has seen the directory complete (``cache_dir``: the directory of a ``--model`` that is one file
+in it).
 
 Ownership: the download Job is the only writer of the directory. It pins the revision to the
 commit the Hub names for it before fetching anything, so a branch moving meanwhile cannot mix two
@@ -43,10 +46,15 @@ EXIT_FAILED, EXIT_REFUSED = 1, 2
 # Kubernetes keeps at most 4096 bytes of a termination message.
 MAX_TERMINATION_MESSAGE = 4096
 _CHUNK = 1 << 20
+GGUF_SUFFIX = ".gguf"  # model.gguf.SUFFIX, without importing transformers here
 
 
 class CacheError(RuntimeError):
     """The model cache cannot be filled or is not complete (the message says why)."""
+
+
+class FileNotInRepo(CacheError):
+    """The one file asked for is not in the repository at that revision: no retry helps."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +69,20 @@ class CachedFile:
 @dataclass(frozen=True)
 class Completion:
     """What the marker records: the repository, the revision asked for (None: the default
-    branch), the commit it resolved to, and every file."""
+    branch), the commit it resolved to, every file, and ``only``: the one file asked for (a
+    GGUF file of a repository holding several), None when it is the whole repository."""
 
     repo: str
     revision: str | None
     commit: str
     files: tuple[CachedFile, ...]
+    only: str | None = None
+
+    def holds(self, repo: str, revision: str | None, only: str | None) -> bool:
+        """Whether this directory already answers a download of ``repo`` at ``revision``
+        (``only``: one file of it)."""
+        same = (self.repo, self.revision) == (repo, revision)
+        return same and (self.only is None or self.only == only)
 
     @property
     def bytes(self) -> int:
@@ -78,6 +94,7 @@ class Completion:
             "revision": self.revision,
             "commit": self.commit,
             "bytes": self.bytes,
+            **({"only": self.only} if self.only is not None else {}),
             "files": [
                 {"path": f.path, "size": f.size, **({"sha256": f.sha256} if f.sha256 else {})}
                 for f in self.files
@@ -87,7 +104,7 @@ class Completion:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Completion:
         files = tuple(CachedFile(f["path"], int(f["size"]), f.get("sha256")) for f in data["files"])
-        return cls(data["repo"], data.get("revision"), data["commit"], files)
+        return cls(data["repo"], data.get("revision"), data["commit"], files, data.get("only"))
 
     def summary(self) -> str:
         """One JSON line for the Job's termination message (far under its 4096 bytes)."""
@@ -105,6 +122,12 @@ def read_marker(model_dir: Path) -> Completion | None:
         return None
     except (ValueError, KeyError, TypeError) as err:
         raise CacheError(f"{model_dir / MARKER} is not a completion record: {err}") from err
+
+
+def cache_dir(model: Path) -> Path:
+    """The cache directory ``--model`` is in: the directory itself, or, for one file of the
+    repository (a GGUF file, ``deployment.model_path``), the directory holding it."""
+    return model.parent if model.suffix == GGUF_SUFFIX else model
 
 
 def wait_for_cache(
@@ -194,13 +217,15 @@ def download(
     revision: str | None = None,
     endpoint: str | None = None,
     token: str | None = None,
+    only: str | None = None,
 ) -> Completion:
-    """Fill ``model_dir`` with ``repo`` at ``revision`` and mark it complete; a directory
-    already marked for the same repo and revision is returned as it is, without a request.
-    ``endpoint``/``token`` None: huggingface_hub's own (``HF_ENDPOINT``, ``HF_TOKEN``).
-    Raises ``CacheError`` when a file does not match the Hub's metadata."""
+    """Fill ``model_dir`` with ``repo`` at ``revision`` (``only``: just that file of it, a GGUF
+    file) and mark it complete; a directory already marked for them is returned as it is,
+    without a request. ``endpoint``/``token`` None: huggingface_hub's own (``HF_ENDPOINT``,
+    ``HF_TOKEN``). Raises ``CacheError`` when a file does not match the Hub's metadata,
+    ``FileNotInRepo`` when ``only`` is not a file of the repository."""
     done = read_marker(model_dir)
-    if done is not None and (done.repo, done.revision) == (repo, revision):
+    if done is not None and done.holds(repo, revision, only):
         return done
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / MARKER).unlink(missing_ok=True)  # another repo or revision was here
@@ -209,14 +234,26 @@ def download(
     )
     if info.sha is None or info.siblings is None:
         raise CacheError(f"the Hub's answer for {repo}@{revision} has no commit or file list")
-    snapshot_download(repo, revision=info.sha, local_dir=model_dir, endpoint=endpoint, token=token)
-    files, problems = verify(model_dir, info.siblings)
+    siblings = info.siblings
+    if only is not None:
+        siblings = [s for s in siblings if s.rfilename == only]
+        if not siblings:
+            raise FileNotInRepo(f"{repo}@{info.sha} has no file {only!r}")
+    snapshot_download(
+        repo,
+        revision=info.sha,
+        local_dir=model_dir,
+        endpoint=endpoint,
+        token=token,
+        allow_patterns=None if only is None else [only],
+    )
+    files, problems = verify(model_dir, siblings)
     if problems:
         raise CacheError(
             f"{repo}@{info.sha}: {len(problems)} file(s) do not match the Hub's metadata and "
             f"were deleted: {'; '.join(problems)}"
         )
-    completion = Completion(repo, revision, info.sha, files)
+    completion = Completion(repo, revision, info.sha, files, only)
     _write_marker(model_dir, completion)
     return completion
 
@@ -236,18 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     fetch.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
     fetch.add_argument("--dir", required=True, type=Path, help="the model's directory")
     fetch.add_argument(
+        "--file", default=None, help="fetch only this file of the repository (a GGUF file)"
+    )
+    fetch.add_argument(
         "--termination-message-path",
         default=None,
         help="where to write the outcome for Kubernetes (a JSON line, or the error)",
     )
     args = parser.parse_args(argv)
     try:
-        completion = download(args.repo, args.dir, revision=args.revision)
+        completion = download(args.repo, args.dir, revision=args.revision, only=args.file)
     except Exception as err:  # every failure ends the Job's pod with its reason
         message = f"{type(err).__name__}: {err}"
         print(message, file=sys.stderr)
         _write_termination_message(args.termination_message_path, message)
-        refused = (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError)
+        refused = (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, FileNotInRepo)
         return EXIT_REFUSED if isinstance(err, refused) else EXIT_FAILED
     summary = completion.summary()
     print(summary)

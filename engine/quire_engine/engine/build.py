@@ -88,7 +88,14 @@ def _load(
     # A wait for a shared model cache goes here, inside phase(StartupPhase.MODEL_CACHE).
     with phase(StartupPhase.WEIGHTS):
         model = config.model
-        loaded = model_loader.load(model.model, device, dtype, model.chat_template, comm)
+        loaded = model_loader.load(
+            model.model,
+            device,
+            dtype,
+            model.chat_template,
+            comm,
+            tokenizer_path=model.tokenizer,
+        )
     vocab_size = int(getattr(loaded.model.config, "vocab_size"))  # noqa: B009
     with phase(StartupPhase.KV_PROFILE):
         plan = plan_cache(config, loaded, device, dtype, comm)

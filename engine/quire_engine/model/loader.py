@@ -8,8 +8,9 @@ those whose output is tested token-exact against transformers' own ``generate``
 
 Nothing is downloaded: ``model`` is a local checkpoint directory as the hub ships it (the
 operator's init container fetches ``hf://`` models into a volume; sharded safetensors with their
-index, ``generation_config.json``, the tokenizer and its chat template) or ``"tiny"``/``None``
-for the embedded model.
+index, ``generation_config.json``, the tokenizer and its chat template), a GGUF file or a
+directory holding one (``gguf``: read and dequantized by transformers), or ``"tiny"``/``None``
+for the embedded model. ``tokenizer_path`` replaces the model's tokenizer with a directory's.
 
 Load-time refusals (``ValueError``, never a silent approximation): an architecture not in the
 tested list; an attention call Quire cannot honour (``attention.inspect_layers``); a RoPE that
@@ -37,7 +38,7 @@ from transformers import (
 
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.kernels.kv_quant import FixedScales
-from quire_engine.model import attention, sharding, tiny_model, weights
+from quire_engine.model import attention, gguf, sharding, tiny_model, weights
 from quire_engine.model.collectives import Collectives
 from quire_engine.model.kv_scales import read_kv_scales
 
@@ -126,11 +127,13 @@ def load(
     dtype: torch.dtype,
     chat_template: str | None = None,
     comm: Collectives | None = None,
+    tokenizer_path: str | None = None,
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` as ``dtype``. ``chat_template`` (a Jinja template, or the
-    path of a file holding one) replaces the tokenizer's own. ``comm``: this rank's
-    tensor-parallel group; the model is then this rank's shard (``sharding``), read as slices
-    of the checkpoint's safetensors files."""
+    path of a file holding one) replaces the tokenizer's own; ``tokenizer_path`` (a directory)
+    the model's tokenizer. ``comm``: this rank's tensor-parallel group; the model is then this
+    rank's shard (``sharding``), read as slices of the checkpoint's safetensors files (of the
+    dequantized model, for a GGUF file)."""
     started = time.monotonic()
     world = comm.world if comm is not None else 1
     if model is None or model == TINY:
@@ -140,14 +143,23 @@ def load(
             full = weights.TensorSlices(dict(net.state_dict()), dtype)
             sharding.shard_model(net, comm, full)
         net = torch.nn.Module.to(net, device, dtype)
-        tokenizer: PreTrainedTokenizerBase = tiny_model.build_tokenizer()
+        tokenizer: PreTrainedTokenizerBase = (
+            tiny_model.build_tokenizer()
+            if tokenizer_path is None
+            else _load_tokenizer(tokenizer_path, Path(TINY), None)
+        )
         name, limit, generation = TINY, int(net.config.max_position_embeddings), {}
         reason = f"the model's max_position_embeddings={limit}"
         kv_scales = None
     else:
-        path = Path(model).expanduser()
-        _check_checkpoint(path, model)
-        config = AutoConfig.from_pretrained(path)
+        gguf_file = gguf.find(model)
+        if gguf_file is not None:
+            path = gguf_file.path
+            config = gguf.read_config(gguf_file)
+        else:
+            path = Path(model).expanduser()
+            _check_checkpoint(path, model)
+            config = AutoConfig.from_pretrained(path)
         archs = list(getattr(config, "architectures", None) or [])
         if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -157,16 +169,21 @@ def load(
         if world > 1:
             sharding.check(config, world)  # before reading anything
         limit, reason = _context_limit(config)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from exc
-        generation = _generation_config(path)
+        tokenizer = _load_tokenizer(tokenizer_path, path, gguf_file)
+        # A GGUF file carries no generation_config.json; one beside it counts.
+        generation = _generation_config(path.parent if gguf_file is not None else path)
         logger.info("loading %s (%s) onto %s as %s", path, archs[0], device, dtype)
+        if gguf_file is not None:
+            # Dequantized on the CPU in float32, then cast: the serving dtype rounds the
+            # GGUF's values once. Under tensor parallelism each rank keeps its slices.
+            net = gguf.load_model(gguf_file)
+            if comm is not None and world > 1:
+                sharding.shard_model(net, comm, weights.TensorSlices(dict(net.state_dict()), dtype))
+            net = torch.nn.Module.to(net, device, dtype)
         # Safetensors are read tensor by tensor straight onto the device (``weights``); other
         # checkpoints through transformers, which loads on the CPU (with a progress bar on
         # stderr) before the model moves.
-        if comm is not None and world > 1:
+        elif comm is not None and world > 1:
             net = weights.skeleton(config, dtype)
             sharding.shard_model(net, comm, weights.SafetensorsSlices(path, dtype, device))
         else:
@@ -175,7 +192,8 @@ def load(
                 net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         net = torch.nn.Module.to(net, device).eval()
         name = str(path)
-        kv_scales = read_kv_scales(path, int(config.num_hidden_layers))
+        layer_count = int(config.num_hidden_layers)
+        kv_scales = None if gguf_file is not None else read_kv_scales(path, layer_count)
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
     cfg = net.config
@@ -215,19 +233,40 @@ def check_tensor_parallel(model: str | None, world: int) -> None:
     if model is None or model == TINY:
         sharding.check(tiny_model.tiny_config(), world)
         return
+    gguf_file = gguf.find(model)
+    if gguf_file is not None:
+        sharding.check(gguf.read_config(gguf_file), world)
+        return
     path = Path(model).expanduser()
     _check_checkpoint(path, model)
     sharding.check(AutoConfig.from_pretrained(path), world)
 
 
+def _load_tokenizer(
+    tokenizer_path: str | None, model: Path, gguf_file: gguf.GgufFile | None
+) -> PreTrainedTokenizerBase:
+    """``tokenizer_path``'s tokenizer (a local directory) when given, else the model's own: the
+    checkpoint directory's, or the one stored in the GGUF file."""
+    where = model if tokenizer_path is None else Path(tokenizer_path).expanduser()
+    if tokenizer_path is not None and not where.is_dir():
+        raise ValueError(f"tokenizer {tokenizer_path!r} is not a local directory")
+    try:
+        if tokenizer_path is None and gguf_file is not None:
+            return gguf.load_tokenizer(gguf_file)
+        loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"cannot load the tokenizer from {where}: {exc}") from exc
+    return loaded
+
+
 def _check_checkpoint(path: Path, model: str) -> None:
     if not path.is_dir():
         raise ValueError(
-            f"model {model!r} is not a local directory (Quire loads local checkpoints; "
-            f"use model='tiny' for the embedded model)"
+            f"model {model!r} is not a local directory (Quire loads local checkpoints and "
+            f"GGUF files; use model='tiny' for the embedded model)"
         )
     if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {path} has no config.json")
+        raise ValueError(f"model directory {path} has no config.json (and no .gguf file)")
     for index in path.glob("*.index.json"):
         # A sharded checkpoint: every shard its index names must be there.
         try:

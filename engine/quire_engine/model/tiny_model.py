@@ -22,10 +22,21 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 NUM_BYTES = 256
 TINY_VOCAB_SIZE = 320
 
-# A plain role-tagged template: the tiny model has no chat training, this only fixes the format.
+# A role-tagged template in the Hermes style (Qwen's): the tiny model has no chat training, this
+# only fixes the format. It renders ``tools`` (their names), an assistant's ``tool_calls`` as
+# ``<tool_call>{...}</tool_call>`` (what ``--tool-call-parser hermes`` reads) and a tool's answer,
+# so every ``tool_choice`` works on the default model.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools:{% for tool in tools %} {{ tool.function.name }}"
+    "{% endfor %}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% if message.role == 'assistant' and message.tool_calls %}<|assistant|>\n"
+    "{% for call in message.tool_calls %}<tool_call>"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}\n"
+    "{% elif message.role == 'tool' %}<|tool|>\n{{ message.tool_call_id }}: "
+    "{{ message.content }}\n"
+    "{% else %}<|{{ message.role }}|>\n{{ message.content }}\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

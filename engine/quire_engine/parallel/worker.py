@@ -69,7 +69,14 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
         conn = rendezvous.connect_plans(store, spec.host, spec.rank, spec.timeout)
     model = config.model
     dtype = loader.resolve_dtype(model.dtype, device)
-    loaded = loader.load(model.model, device, dtype, model.chat_template, comm)
+    loaded = loader.load(
+        model.model,
+        device,
+        dtype,
+        model.chat_template,
+        comm,
+        tokenizer_path=model.tokenizer,
+    )
     cache = plan_cache(config, loaded, device, dtype, comm)
     runner = ModelRunner(
         loaded.model,

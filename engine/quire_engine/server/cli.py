@@ -35,7 +35,7 @@ from quire_engine.core.config import EngineConfig
 from quire_engine.core.knobs import env_name as env_name  # re-exported: the flags' variables
 from quire_engine.core.knobs import knob, section
 from quire_engine.core.knobs import parse_bytes as parse_bytes  # re-exported: sizes of flags
-from quire_engine.hub_cache import wait_for_cache
+from quire_engine.hub_cache import cache_dir, wait_for_cache
 from quire_engine.server.app import ServerSettings
 from quire_engine.server.drain import Drain
 
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     def build_then_freeze(config: EngineConfig) -> LLMEngine:
         if args.wait_for_model_cache:
             with startup.phase(StartupPhase.MODEL_CACHE):
-                wait_for_cache(Path(args.model), args.model_cache_timeout)
+                wait_for_cache(cache_dir(Path(args.model)), args.model_cache_timeout)
         engine = build(config)
         logger.info("froze %d objects of the startup heap", freeze_startup_heap())
         return engine

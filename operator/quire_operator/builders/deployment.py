@@ -102,16 +102,24 @@ def cache_claim_name(name: str) -> str:
     return f"{name}-model-cache"
 
 
-def model_path(model: ModelSource) -> str:
-    """What ``--model`` points at inside the container (and, with the model cache, where the
-    download Job writes it in the volume mounted at MODEL_DIR)."""
-    if model.kind is ModelKind.HF and model.cache is not None:
+def model_dir(model: ModelSource) -> str:
+    """Where an hf:// repository is downloaded (the init container's ``--local-dir``, the
+    model cache's download directory in the volume mounted at MODEL_DIR)."""
+    assert model.kind is ModelKind.HF, model.kind
+    if model.cache is not None:
         # One directory per repository and revision: a new revision is downloaded next to the
         # one replicas are reading, never over it. Quoting keeps a revision such as refs/pr/1
         # one path component.
         return f"{MODEL_DIR}/{model.location}/@{quote(model.revision or 'main', safe='')}"
+    return f"{MODEL_DIR}/{model.location}"
+
+
+def model_path(model: ModelSource) -> str:
+    """What ``--model`` points at inside the container: the downloaded directory of an hf://
+    model, or its one GGUF file (``hf://org/name/file.gguf``) in it."""
     if model.kind is ModelKind.HF:
-        return f"{MODEL_DIR}/{model.location}"
+        directory = model_dir(model)
+        return f"{directory}/{model.sub_path}" if model.sub_path else directory
     if model.kind is ModelKind.PVC:
         return f"{MODEL_DIR}/{model.sub_path}" if model.sub_path else MODEL_DIR
     return model.location  # file: the path in the image; tiny: the engine's own name
@@ -252,7 +260,9 @@ def _download_container(isvc: InferenceService, image: str) -> dict[str, Any]:
     """Init container that fetches an hf:// model into the shared emptyDir with the engine
     image's ``hf`` CLI. The token reaches this container only."""
     model = isvc.model
-    command = ["hf", "download", model.location, "--local-dir", model_path(model)]
+    # A GGUF repository holds one file per quantization: fetch only the one served.
+    files = [model.sub_path] if model.sub_path else []
+    command = ["hf", "download", model.location, *files, "--local-dir", model_dir(model)]
     if model.revision is not None:
         command += ["--revision", model.revision]
     env = hf_env(model, f"{MODEL_DIR}/.hf-home")

@@ -10,8 +10,9 @@ Ownership:
   to an immutable pod template; the earlier Job stays, finished, as a record. A failed Job is
   retried by deleting it (the next reconcile makes it again).
 - Its pod is the only writer of the volume (``python -m quire_engine.hub_cache download``, the
-  engine image's own code): one directory per repository and revision (deployment.model_path),
-  a completion marker written last. Engines mount the claim read-only and load only once the
+  engine image's own code): one directory per repository and revision (deployment.model_dir;
+  for ``hf://org/name/file.gguf`` only that file is fetched into it), a completion marker
+  written last. Engines mount the claim read-only and load only once the
   marker is there (``--wait-for-model-cache``).
 - The Job reports the commit, bytes and files it verified in its container's termination
   message (``/dev/termination-log``): Kubernetes' own channel from a finished container to the
@@ -32,7 +33,7 @@ from quire_operator.builders.deployment import (
     container_security,
     cpu_memory,
     hf_env,
-    model_path,
+    model_dir,
     pod_security,
 )
 from quire_operator.config import OperatorConfig
@@ -83,9 +84,11 @@ def _download_pod(isvc: InferenceService, config: OperatorConfig) -> dict[str, A
     command = [
         "python", "-m", "quire_engine.hub_cache", "download",
         "--repo", model.location,
-        "--dir", model_path(model),
+        "--dir", model_dir(model),
         "--termination-message-path", TERMINATION_MESSAGE_PATH,
     ]  # fmt: skip
+    if model.sub_path:  # one GGUF file of the repository
+        command += ["--file", model.sub_path]
     if model.revision is not None:
         command += ["--revision", model.revision]
     container: dict[str, Any] = {

@@ -41,7 +41,10 @@ from quire_operator.spec.view import (
 )
 
 # Same shapes as the CRD's uri rule; kept as separate patterns so each kind is parsed, not split.
-_HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$")
+_HF = re.compile(
+    r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)"
+    r"(/(?P<file>[A-Za-z0-9._-]+\.gguf))?$"
+)
 _PVC = re.compile(
     r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>(/[A-Za-z0-9._-]+)*)/?$"
 )
@@ -86,12 +89,14 @@ def parse_model(model: Mapping[str, Any], default_served_name: str) -> ModelSour
     if uri == "tiny":
         return ModelSource(ModelKind.TINY, "tiny", "", **common)
     if match := _HF.match(uri):
-        return ModelSource(ModelKind.HF, match["repo"], "", **common)
+        return ModelSource(ModelKind.HF, match["repo"], match["file"] or "", **common)
     if match := _PVC.match(uri):
         return ModelSource(ModelKind.PVC, match["claim"], match["path"].lstrip("/"), **common)
     if match := _FILE.match(uri):
         return ModelSource(ModelKind.FILE, match["path"], "", **common)
-    raise ValueError(f"model.uri: not hf://org/name, pvc://claim[/path], file:///path, tiny: {uri}")
+    raise ValueError(
+        f"model.uri: not hf://org/name[/file.gguf], pvc://claim[/path], file:///path, tiny: {uri}"
+    )
 
 
 def parse_engine(engine: Mapping[str, Any]) -> EngineSpec:

@@ -62,7 +62,8 @@ class ModelSource:
     kind: ModelKind
     # hf: "org/name"; pvc: the claim name; file: the absolute path; tiny: "tiny".
     location: str
-    # pvc only: the path inside the claim ("" for its root).
+    # pvc: the path inside the claim ("" for its root); hf: the one file of the repository's
+    # root to fetch and serve (a GGUF file, "" for the whole repository).
     sub_path: str
     revision: str | None
     served_name: str
@@ -81,6 +82,12 @@ class ModelSource:
             raise ValueError(
                 "model.cache applies only to hf:// models (pvc:// and file:// models are "
                 "already on a volume or in the image)"
+            )
+        one_file = self.kind is ModelKind.HF and self.sub_path
+        if one_file and ("/" in self.sub_path or not self.sub_path.endswith(".gguf")):
+            raise ValueError(
+                f"model.uri: the one file of an hf:// repository is a .gguf file at its root: "
+                f"{self.sub_path!r}"
             )
         if self.hf_endpoint is not None and self.kind is not ModelKind.HF:
             raise ValueError("model.hfEndpoint applies only to hf:// models")

@@ -4,7 +4,9 @@ Named and ``required`` tool choices are the grammar's work, so every call that f
 and is valid for its function (tool schemas drawn with hypothesis, n = 4 samples preempting
 each other in a small pool, streamed and not). ``auto`` is the parser's work: a regex forces
 the random model to write a Hermes call, which the server must read out of the text. The
-template is a small Hermes/Qwen-style one that renders tools, calls and tool answers.
+template is the tiny model's own (``tiny_model.CHAT_TEMPLATE``, Hermes/Qwen-style: it renders
+tools, calls and tool answers), so named and ``required`` calls work on the default server with
+no flag.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx2
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,20 +26,6 @@ from quire_engine.server.tool_parsers import ToolParserName
 from tests.engine_tests.live_server import RunningServer, serve, sse_payloads, tiny_settings
 from tests.engine_tests.structured.test_structured_outputs import BIAS, SCHEMAS, valid
 
-TOOL_TEMPLATE = (
-    "{% if tools %}<|system|>\nTools:{% for tool in tools %} {{ tool.function.name }}"
-    "{% endfor %}\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'assistant' and message.tool_calls %}<|assistant|>\n"
-    "{% for call in message.tool_calls %}<tool_call>"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
-    "</tool_call>{% endfor %}\n"
-    "{% elif message.role == 'tool' %}<|tool|>\n{{ message.tool_call_id }}: "
-    "{{ message.content }}\n"
-    "{% else %}<|{{ message.role }}|>\n{{ message.content }}\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 MESSAGES = [{"role": "user", "content": "Weather?"}]
 
 
@@ -64,7 +53,6 @@ def tools_server() -> Iterator[RunningServer]:
         "num_blocks": 32,
         "block_size": 8,
         "max_model_len": 256,
-        "chat_template": TOOL_TEMPLATE,
     }
     with serve(tiny_settings(engine, tools=ToolSettings(True, ToolParserName.HERMES))) as srv:
         yield srv
@@ -300,19 +288,29 @@ def test_bad_tool_requests_are_400(
         assert response.json()["error"]["param"] == param
 
 
-def test_auto_needs_the_server_flag_and_a_template(server: RunningServer) -> None:
-    url = f"{server.base_url}/chat/completions"
-    response = httpx2.post(url, json={"messages": MESSAGES, "tools": [tool("w")]})
-    assert response.status_code == 400
-    assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
-    body: dict[str, object] = {
-        "messages": MESSAGES,
-        "tools": [tool("w")],
-        "tool_choice": "required",
-    }
-    response = httpx2.post(url, json=body)
-    assert response.status_code == 400
-    assert "does not render tools" in response.json()["error"]["message"]
-    body["chat_template"] = TOOL_TEMPLATE
-    body["max_tokens"] = 2
-    assert httpx2.post(url, json=body).status_code == 200
+def test_the_default_server_calls_tools_with_no_flags(server: RunningServer) -> None:
+    """The embedded model's template renders tools: named and required calls work through the
+    openai client; auto is refused until the server reads calls (as vLLM)."""
+    # Plain dicts and integer biases, as the API takes them (the client's stubs want TypedDicts).
+    client: Any = server.client()
+    obj = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}}
+    tools: Any = [tool("weather", obj), tool("time")]
+    bias = {int(k): v for k, v in BIAS.items()}
+    named: Any = {"type": "function", "function": {"name": "weather"}}
+    for choice in (named, "required"):
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=60,
+            logit_bias=bias,
+            temperature=0,
+        )
+        (call, *_) = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls", out
+        assert call.function.name in {"weather", "time"}
+        assert choice == "required" or call.function.name == "weather"
+        assert isinstance(json.loads(call.function.arguments), dict)
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=2)
