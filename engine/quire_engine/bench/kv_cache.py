@@ -31,7 +31,7 @@ import torch
 from quire_engine.bench import throughput
 from quire_engine.core.config import KVCacheDtype
 from quire_engine.core.sampling_params import SamplingParams
-from quire_engine.model.runner import CacheShape
+from quire_engine.model.cache_shape import CacheShape
 
 if TYPE_CHECKING:
     from quire_engine.engine.llm import LLM

@@ -46,7 +46,7 @@ from quire_engine.core.scheduler import SchedulerOutput
 from quire_engine.cpu import linear as linear_cpu
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.engine.observer import StepRecord
-from quire_engine.model.runner import CacheShape
+from quire_engine.model.cache_shape import CacheShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,17 +104,7 @@ def _load(
     max_len, shape = scheduler.max_model_len, plan.shape
     num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
     with phase(StartupPhase.KV_ALLOCATE):
-        runner = ModelRunner(
-            loaded.model,
-            shape,
-            num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            device=device,
-            layers=loaded.layers,
-            native_linears=comm is None,
-            fixed_scales=plan.fixed_scales,
-            num_host_blocks=plan.num_host_blocks,
-        )
+        runner = ModelRunner.from_plan(loaded, plan, device, native_linears=comm is None)
     if parallel is not None:
         runner.publish = parallel.publish
     logger.info(

@@ -9,9 +9,6 @@ that sample this step. On CPU a pure decode step of a few sequences of a Llama-s
 as one native call instead of the model's modules (``cpu/decoder``), on the same pools; a
 ``forward_observer`` (instrumentation: ``engine/profile``) is told the CPU time of those steps.
 
-Pool sizing (``size_pool``): an explicit ``num_blocks`` or ``kv_cache_memory`` wins; otherwise on
-CUDA the pool gets ``total_memory * gpu_memory_utilization`` minus the weights and the activation
-peak of a profiling forward pass at ``max_num_batched_tokens``; on CPU a fixed default budget.
 """
 
 from __future__ import annotations
@@ -25,13 +22,12 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from quire_engine.core.config import KVCacheDtype
 from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
 from quire_engine.cpu import decoder as decoder_cpu
 from quire_engine.cpu import linear as linear_cpu
@@ -41,68 +37,14 @@ from quire_engine.kernels.kv_cache_ops import copy_blocks, swap_blocks
 from quire_engine.kernels.kv_quant import SCALE_DTYPE, FixedScales, LayerKV
 from quire_engine.kernels.triton_runtime import triton_usable
 from quire_engine.model import attention
+from quire_engine.model.cache_shape import CacheShape
 from quire_engine.model.host_pool import HostPool
 
+if TYPE_CHECKING:
+    from quire_engine.model.cache_plan import CachePlan
+    from quire_engine.model.loader import LoadedModel
+
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU backend default KV space (it uses 4 GiB)
-# --kv-cache-dtype -> the pool's 8-bit element dtype (kernels.kv_quant owns the format).
-KV_STORAGE = {
-    KVCacheDtype.INT8: torch.int8,
-    KVCacheDtype.FP8_E4M3: torch.float8_e4m3fn,
-    KVCacheDtype.FP8_E5M2: torch.float8_e5m2,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class CacheShape:
-    """One rank's block shape. ``dtype`` is the model's (what K/V arrive in); ``kv_dtype`` what
-    the pool stores: the model's dtype (``AUTO``) or 8 bits plus a float32 scale per token and
-    KV head."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        """The pools' element dtype."""
-        kv = self.kv_dtype.canonical
-        return self.dtype if kv is KVCacheDtype.AUTO else KV_STORAGE[kv]
-
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype.quantized
-
-    @property
-    def bytes_per_token(self) -> int:
-        # K and V, every layer: 2 * layers * kv_heads * (head_dim * element bytes + scale bytes).
-        item = self.storage_dtype.itemsize
-        scale = SCALE_DTYPE.itemsize if self.quantized else 0
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * item + scale)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-    @classmethod
-    def of(
-        cls,
-        model: PreTrainedModel,
-        block_size: int,
-        dtype: torch.dtype,
-        num_kv_heads: int | None = None,
-        kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
-    ) -> CacheShape:
-        """``num_kv_heads``: this rank's share under tensor parallelism (default: the model's)."""
-        cfg: Any = model.config
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads
-        return cls(cfg.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_dtype)
 
 
 class ForwardObserver(Protocol):
@@ -217,6 +159,24 @@ class ModelRunner:
             torch.from_numpy
             if device.type == "cpu"
             else lambda a: torch.from_numpy(a).to(device, non_blocking=True)
+        )
+
+    @classmethod
+    def from_plan(
+        cls, loaded: LoadedModel, plan: CachePlan, device: torch.device, *, native_linears: bool
+    ) -> ModelRunner:
+        """The runner of ``loaded`` on a cache plan: its block shape, device, swap and host pool
+        sizes and fixed scales (what rank 0's build and every tensor-parallel worker build)."""
+        return cls(
+            loaded.model,
+            plan.shape,
+            num_blocks=plan.num_blocks,
+            num_cpu_blocks=plan.num_cpu_blocks,
+            device=device,
+            layers=loaded.layers,
+            native_linears=native_linears,
+            fixed_scales=plan.fixed_scales,
+            num_host_blocks=plan.num_host_blocks,
         )
 
     def _swap_pool(
@@ -477,73 +437,3 @@ def _pad_tables(tables: list[array[int]]) -> np.ndarray:
     out = np.zeros((len(tables), width), dtype=np.int32)
     out[np.arange(width) < lens[:, None]] = flat  # row-major mask order = concatenation order
     return out
-
-
-def size_pool(
-    *,
-    shape: CacheShape,
-    device: torch.device,
-    num_blocks: int | None,
-    kv_cache_memory: int | None,
-    gpu_memory_utilization: float,
-    profile_peak_bytes: int | None,
-    min_tokens: int,
-    min_blocks: int | None = None,
-) -> int:
-    """Number of device blocks; ``ValueError`` naming the numbers when not even one sequence of
-    ``min_tokens`` (max_model_len) fits: ``min_blocks`` blocks (default: all its tokens' worth;
-    fewer with a sliding window, whose sequences hold only the window's blocks)."""
-    per_block = shape.bytes_per_block
-    if num_blocks is not None:
-        source = f"num_blocks={num_blocks}"
-        blocks = num_blocks
-    elif kv_cache_memory is not None:
-        blocks = kv_cache_memory // per_block
-        source = f"kv_cache_memory={kv_cache_memory} bytes"
-    elif device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        peak = profile_peak_bytes or 0
-        budget = int(total * gpu_memory_utilization) - peak
-        blocks = max(budget, 0) // per_block
-        source = (
-            f"{total / 2**30:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization} "
-            f"- {peak / 2**30:.2f} GiB weights and activation peak = {budget / 2**30:.2f} GiB"
-        )
-    else:
-        blocks = CPU_DEFAULT_KV_BYTES // per_block
-        source = f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB"
-    needed = -(-min_tokens // shape.block_size) if min_blocks is None else min_blocks
-    if blocks < needed:
-        raise ValueError(
-            f"no memory left for the KV cache: {source} gives {blocks} blocks of "
-            f"{shape.block_size} tokens ({per_block} bytes each), but one sequence of "
-            f"max_model_len={min_tokens} tokens needs {needed}; lower max_model_len or give the "
-            f"cache more memory"
-        )
-    return blocks
-
-
-def profile_peak_memory(
-    model: PreTrainedModel, num_tokens: int, num_logit_rows: int, device: torch.device
-) -> int:
-    """Peak CUDA bytes (weights + activations) of a plain forward over ``num_tokens`` tokens that
-    computes ``num_logit_rows`` rows of logits (one per sequence that may sample in a step).
-
-    The paged cache does not exist yet, so attention is replaced by one that outputs zeros
-    (``attention.register_profiling``): the activation peak of the MLP and logits dominates, and
-    the paged kernels hold no [T, T] scores. (SDPA would refuse Gemma 2; eager would count a
-    [heads, T, T] matrix the engine never builds.)"""
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    impl = model.config._attn_implementation
-    model.set_attn_implementation(attention.register_profiling())
-    try:
-        with torch.inference_mode():
-            ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
-            rows = torch.arange(min(num_logit_rows, num_tokens), device=device)
-            model(input_ids=ids, use_cache=False, logits_to_keep=rows)
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    finally:
-        model.set_attn_implementation(impl)
-        torch.cuda.empty_cache()

@@ -78,17 +78,7 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
         tokenizer_path=model.tokenizer,
     )
     cache = plan_cache(config, loaded, device, dtype, comm)
-    runner = ModelRunner(
-        loaded.model,
-        cache.shape,
-        num_blocks=cache.num_blocks,
-        num_cpu_blocks=cache.num_cpu_blocks,
-        device=device,
-        layers=loaded.layers,
-        native_linears=False,
-        fixed_scales=cache.fixed_scales,
-        num_host_blocks=cache.num_host_blocks,
-    )
+    runner = ModelRunner.from_plan(loaded, cache, device, native_linears=False)
     logger.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
     while True:
         try:

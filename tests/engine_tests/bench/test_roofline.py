@@ -12,7 +12,7 @@ from quire_engine.bench import roofline
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.scheduler import SchedulerOutput
 from quire_engine.engine.llm import LLM
-from quire_engine.model.runner import CacheShape
+from quire_engine.model.cache_shape import CacheShape
 from tests.engine_tests.models import tiny_llama_config
 
 

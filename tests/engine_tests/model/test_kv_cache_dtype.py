@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from quire_engine import LLM, SamplingParams
 from quire_engine.core.config import EngineConfig, KVCacheDtype
-from quire_engine.model.runner import CacheShape
+from quire_engine.model.cache_shape import CacheShape
 from quire_engine.server import cli
 from tests.engine_tests.live_server import serve, tiny_settings
 
