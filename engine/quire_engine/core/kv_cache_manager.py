@@ -39,84 +39,16 @@ Ownership rules:
 from __future__ import annotations
 
 import hashlib
-import sys
 from array import array
 from collections.abc import Sequence as Sequence_
 from typing import NamedTuple
 
 from quire_engine.core.block_pool import Block, BlockPool, PoolStats
+from quire_engine.core.block_table import NEVER, RELEASED, BlockTable
 from quire_engine.core.config import CacheConfig
 from quire_engine.core.host_tier import HostMove, HostTier
 from quire_engine.core.knobs import resolved
 from quire_engine.core.sequence import Sequence
-
-# The table entry of a released leading block: not a pool block (no pool ever counts or frees it).
-# Its id 0 is a valid index for the attention kernels, which never read it unmasked.
-RELEASED = Block(0)
-# Block ids are C ints: 32 bits on every platform torch supports (the runner reads them as int32).
-assert array("i").itemsize == 4, "array('i') must hold int32 block ids"
-_NEVER = sys.maxsize  # publish_at of a table whose full blocks are queued in _unpublished
-
-
-class _Table:
-    """One sequence's device blocks (``blocks``) and their ids (``ids``, shared read-only with
-    scheduler outputs), plus how many leading blocks were already offered to the prefix cache.
-
-    ``ids`` is an ``array('i')`` (int32 machine words) rather than a list: the runner builds the
-    step's ``[num_seqs, max_blocks]`` block-table tensor by joining the tables' buffers
-    (microseconds for hundreds of sequences) instead of converting every id of every table from a
-    Python int each step, a cost that would grow with context length. Readers must not keep a
-    buffer view of it (``memoryview``, ``np.frombuffer`` without a copy): an array whose buffer
-    is exported cannot grow, and the table grows while its sequence runs.
-
-    ``capacity`` (slots held), ``publish_at`` (the token count that fills the next unpublished
-    block) and ``forked`` (whether any block may be shared with a sibling) are kept, and folded
-    into ``quiet_end`` (the longest the sequence may grow to with nothing to allocate, copy or
-    publish: 0 once forked, where a shared tail must be checked), so that the common decode
-    step of ``allocate_slots`` is one comparison."""
-
-    __slots__ = (
-        "block_size", "blocks", "capacity", "forked", "ids", "num_cached", "num_released",
-        "publish_at", "quiet_end",
-    )  # fmt: skip
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.blocks: list[Block] = []
-        self.ids: array[int] = array("i")
-        self.capacity = 0
-        self.forked = False
-        self.num_released = 0  # leading entries that are RELEASED
-        self.set_cached(0)
-
-    def live(self) -> list[Block]:
-        """The blocks this table holds a reference on, in table order."""
-        return self.blocks[self.num_released :]
-
-    def release_leading(self, num: int) -> list[Block]:
-        """Replace entries ``num_released .. num - 1`` by ``RELEASED``; returns the blocks
-        whose reference the caller must drop."""
-        dropped = self.blocks[self.num_released : num]
-        for i in range(self.num_released, num):
-            self.blocks[i] = RELEASED
-            self.ids[i] = RELEASED.block_id
-        self.num_released = max(self.num_released, num)
-        return dropped
-
-    def append(self, block: Block) -> None:
-        self.blocks.append(block)
-        self.ids.append(block.block_id)
-        self.capacity += self.block_size
-        self.settle()
-
-    def set_cached(self, num_cached: int) -> None:
-        self.num_cached = num_cached
-        self.publish_at = (num_cached + 1) * self.block_size
-        self.settle()
-
-    def settle(self) -> None:
-        """Recompute ``quiet_end``; called whenever capacity, publish_at or forked change."""
-        self.quiet_end = 0 if self.forked else min(self.capacity, self.publish_at - 1)
 
 
 class PrefixHits(NamedTuple):
@@ -178,11 +110,11 @@ class KVCacheManager:
             on_evict=self.host.offload if self.host is not None else None,
         )
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_prefix_caching=False)
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, BlockTable] = {}
         self._cpu_tables: dict[str, list[Block]] = {}
         self.pending_copies: list[tuple[int, int]] = []
         # Sequences holding decode-filled blocks not yet published (see the module docstring).
-        self._unpublished: dict[str, tuple[Sequence, _Table]] = {}
+        self._unpublished: dict[str, tuple[Sequence, BlockTable]] = {}
         # Counters in tokens, for quire_prefix_cache_queries_total / _hits_total.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -333,7 +265,7 @@ class KVCacheManager:
                 if end >= table.publish_at:  # this step fills a block: publish it
                     if num_new_tokens == 1 and self.pool.enable_prefix_caching:
                         self._unpublished[seq.seq_id] = (seq, table)
-                        table.publish_at = _NEVER  # queued once; _publish resets it
+                        table.publish_at = NEVER  # queued once; _publish resets it
                         table.settle()
                     else:
                         self._publish(seq, table, end // bs)
@@ -372,7 +304,7 @@ class KVCacheManager:
             return None
 
         if table is None:
-            table = self._tables[seq.seq_id] = _Table(bs)
+            table = self._tables[seq.seq_id] = BlockTable(bs)
         if computed:
             for i, block in enumerate(computed):
                 if i < dead:
@@ -399,7 +331,7 @@ class KVCacheManager:
             self._publish(seq, table, end // bs)
         return table.ids
 
-    def _load_host_hits(self, table: _Table, host: Sequence_[bytes], num_dead: int) -> None:
+    def _load_host_hits(self, table: BlockTable, host: Sequence_[bytes], num_dead: int) -> None:
         """Append the host hits to ``table`` (after its device hits): a dead one as ``RELEASED``,
         the others each in a fresh device block, its load queued and the block published at once
         (its K/V land before the step's forward reads anything)."""
@@ -445,7 +377,7 @@ class KVCacheManager:
             seq, table = entry
             self._publish(seq, table, seq.num_computed_tokens // self.block_size)
 
-    def _publish(self, seq: Sequence, table: _Table, num_full: int) -> None:
+    def _publish(self, seq: Sequence, table: BlockTable, num_full: int) -> None:
         """Offer the sequence's first ``num_full`` (full) blocks to the prefix cache."""
         if num_full <= table.num_cached:
             return
@@ -488,7 +420,7 @@ class KVCacheManager:
         src = self._tables.get(parent.seq_id)
         if src is None:
             raise ValueError(f"sequence {parent.seq_id!r} holds no device blocks to fork")
-        table = self._tables[child.seq_id] = _Table(self.block_size)
+        table = self._tables[child.seq_id] = BlockTable(self.block_size)
         for block in src.blocks:
             if block is not RELEASED:
                 self.pool.touch(block)
@@ -541,7 +473,7 @@ class KVCacheManager:
         if not self.can_swap_in(seq_id):
             raise ValueError(f"cannot swap in {seq_id!r}: not enough free device blocks")
         cpu = self._cpu_tables.pop(seq_id)
-        table = self._tables[seq_id] = _Table(self.block_size)
+        table = self._tables[seq_id] = BlockTable(self.block_size)
         moves = []
         for c in cpu:
             if c is RELEASED:
