@@ -47,6 +47,13 @@ class ImageKind(Enum):
         """The pyproject extra the Dockerfile installs."""
         return self.value
 
+    @property
+    def disk_gb(self) -> float:
+        """Free disk a build may need at its peak: when the engine's final stage cannot take
+        ``COPY --from=build`` from the cache, it copies the 6 GB ``/opt/quire`` into a container
+        and commits it (about twice that while it runs); the export then rewrites 10 GB."""
+        return 14.0 if self is ImageKind.ENGINE else 2.0
+
 
 def app_version() -> str:
     """The chart's appVersion: the tag the chart deploys by default, so the tag we build."""
@@ -90,6 +97,7 @@ def build_image(kind: ImageKind, out: Path | None = None, store: Store | None = 
         wheels = store.wheels(kind.value)
         filled = wheelhouse.fill(kind.extra, wheels, base.minor)
         mounts = wheelhouse.volumes(store.pip_config(kind.value), wheels if filled else None)
+        store.require_free(kind.disk_gb, f"building {local}")
         stage = f"localhost/{kind.repository}-build:{version}"
         _bud(store, kind, mounts, "--target=build", f"--tag={stage}")
         _bud(store, kind, mounts, f"--tag={local}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,6 +78,17 @@ class Store:
 
     def skopeo(self, *args: str) -> str:
         return run_checked(["skopeo", *args], f"skopeo {args[0]}", env=self.env())
+
+    def require_free(self, need_gb: float, what: str) -> None:
+        """Refuse a build that would fill the disk halfway through (buildah then fails with a
+        bare exit code 125 and the reason only in its own output), with the numbers."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        free_gb = shutil.disk_usage(self.root).free / 1e9
+        if free_gb < need_gb:
+            raise OSError(
+                f"{what} needs about {need_gb:.0f} GB free under {self.root}; there are "
+                f"{free_gb:.1f} GB (removing {self.out} drops the last exports)"
+            )
 
     @contextmanager
     def locked(self) -> Iterator[None]:
