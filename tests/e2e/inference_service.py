@@ -14,9 +14,11 @@ def tiny_inference_service(
     num_blocks: int,
     max_num_seqs: int,
     max_model_len: int = 256,
+    engine: dict[str, Any] | None = None,
     **spec: Any,
 ) -> dict[str, Any]:
-    """``spec`` adds top-level fields (``replicas``, ``autoscaling``, ``routing``)."""
+    """``spec`` adds top-level fields (``replicas``, ``autoscaling``, ``routing``); ``engine``
+    adds ``spec.engine`` fields."""
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceService",
@@ -28,6 +30,7 @@ def tiny_inference_service(
                 "maxNumSeqs": max_num_seqs,
                 "maxModelLen": max_model_len,
                 "extraArgs": ["--num-blocks", str(num_blocks)],
+                **(engine or {}),
             },
             "resources": {"gpus": 0, "requests": {"cpu": "100m", "memory": "256Mi"}},
             **spec,

@@ -61,14 +61,16 @@ class RoutedFleet:
         num_blocks: int,
         max_num_seqs: int,
         routing: dict[str, Any] | None = None,
+        engine: dict[str, Any] | None = None,
     ) -> None:
         """The InferenceService, then the kubelet stand-in for its engine and picker pods; returns
-        once ``replicas`` engines and the picker serve."""
+        once ``replicas`` engines and the picker serve. ``engine``: more spec.engine fields."""
         body = tiny_inference_service(
             self.name,
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_model_len=512,
+            engine=engine,
             replicas=replicas,
             routing={"mode": "InferencePool", **(routing or {})},
         )
@@ -82,10 +84,13 @@ class RoutedFleet:
         self.epp()
 
     def close(self) -> None:
+        """Stop what runs (again: a no-op); the InferenceService stays, in its namespace."""
         for gateway in self.gateways:
             gateway.stop()
+        self.gateways.clear()
         if hasattr(self, "runner"):
             self.runner.stop()
+            del self.runner
 
     # -- what runs --------------------------------------------------------------------------
 
@@ -109,6 +114,13 @@ class RoutedFleet:
     def engine_at(self, address: str) -> PodProcess:
         (engine,) = [e for e in self.runner.engines(ready_only=False) if e.address == address]
         return engine
+
+    def inference_service(self) -> dict[str, Any]:
+        body = self.cluster.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name
+        )
+        assert isinstance(body, dict)
+        return body
 
     def inference_pool(self) -> dict[str, Any]:
         pool = self.cluster.custom.get_namespaced_custom_object(

@@ -59,10 +59,17 @@ def fleet(
         num_blocks: int,
         max_num_seqs: int,
         routing: dict[str, Any] | None = None,
+        engine: dict[str, Any] | None = None,
     ) -> RoutedFleet:
         created = RoutedFleet(cluster, routing_stack, namespace, name)
         made.append(created)
-        created.create(replicas, num_blocks=num_blocks, max_num_seqs=max_num_seqs, routing=routing)
+        created.create(
+            replicas,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            routing=routing,
+            engine=engine,
+        )
         return created
 
     try:
@@ -121,6 +128,69 @@ def test_prefix_affinity_doubles_the_fleets_prefix_hits_and_lowers_ttft(
     assert pool["prefix_hit_rate"] >= 2 * plain["prefix_hit_rate"], detail
     assert pool["p50_ttft_ms"] < plain["p50_ttft_ms"], detail
     assert report["low_load_latency"]["failed"] == 0, detail
+
+
+def test_replicas_with_the_host_tier_keep_their_prefix_hits_past_their_device_pools(
+    fleet: Callable[..., RoutedFleet],
+) -> None:
+    # 12 system prompts of 320 characters (20 blocks each) over 2 replicas of 48 device blocks,
+    # sent in rounds (each round every prompt once, shuffled): however the picker places them, a
+    # replica with 3 or more prompts (60+ blocks) evicts each before its next round comes, so the
+    # fleet without a tier recomputes nearly every prompt. With a tier of 1/64 GiB (256 blocks of
+    # the tiny model) a replica holds 304 blocks: even all 12 prompts (240) stay cached. The
+    # picker's prefix index is sized by each replica's device plus host blocks (the operator
+    # points it at num_prefix_blocks), so it keeps routing a prompt to the replica that has it.
+    reports: dict[str, dict[str, Any]] = {}
+    host_hits: dict[str, float] = {}
+    for name, engine in (("tiered", {"kvOffloadingSizeGiB": 1 / 64}), ("untiered", {})):
+        f = fleet(name, 2, num_blocks=48, max_num_seqs=4, engine=engine)
+        if engine:
+            _check_the_tier_as_the_api_server_holds_it(f)
+        gateway, service = f.gateway(), f.service()
+        first_answer(gateway, f.name)
+        argv = [
+            "bench", "route", "--pool-url", gateway.url, "--service-url", service.url,
+            *[arg for e in f.runner.engines() for arg in ("--engine-url", e.url)],
+            "--groups", "12", "--requests-per-group", "8", "--system-prompt-len", "320",
+            "--user-prompt-len", "16", "--output-len", "2", "--max-concurrency", "2",
+            "--latency-probes", "0", "--timeout", "60",
+        ]  # fmt: skip
+        reports[name] = route.run(build_parser(argv).parse_args(argv))
+        host_hits[name] = sum(
+            engine_metrics(e).get("quire_prefix_cache_host_hits_total", 0.0)
+            for e in f.runner.engines()
+        )
+        f.close()
+    save_report("host tier", {**reports, "host_hit_tokens": host_hits})
+    detail = json.dumps({**reports, "host_hit_tokens": host_hits}, indent=1)
+    tiered, untiered = reports["tiered"]["pool"], reports["untiered"]["pool"]
+    assert tiered["failed"] == 0 and untiered["failed"] == 0, detail
+    # 7 of a prompt's 8 requests can hit, each on 320 of its 336 tokens: at most 0.83.
+    assert tiered["prefix_hit_rate"] >= 0.6, detail
+    assert tiered["prefix_hit_rate"] >= 2 * untiered["prefix_hit_rate"], detail
+    assert host_hits["tiered"] > 0 and host_hits["untiered"] == 0, detail
+
+
+def _check_the_tier_as_the_api_server_holds_it(f: RoutedFleet) -> None:
+    """The operator's sizing as applied: the engine pods ask for 256Mi plus the tier's 16Mi, and
+    the status (through the CRD's schema) shows the tier and the picker's capacity label."""
+    deployment = f.cluster.apps.read_namespaced_deployment(f.name, f.namespace)
+    pod = deployment.spec.template.spec
+    assert pod is not None
+    (container,) = pod.containers
+    assert container.resources is not None
+    assert container.resources.requests == {"cpu": "100m", "memory": "272Mi"}
+    expected = {
+        "sizeGiB": 1 / 64,
+        "memoryPerPod": "16Mi",
+        "pickerCapacityLabel": "num_prefix_blocks",
+    }
+    wait_until(
+        lambda: f.inference_service().get("status", {}).get("hostTier") == expected,
+        timeout=60,
+        interval=0.5,
+        message=lambda: f"status.hostTier {expected}: {f.inference_service().get('status')}",
+    )
 
 
 def test_a_replica_under_kv_pressure_gets_almost_no_new_requests(

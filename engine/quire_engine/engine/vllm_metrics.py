@@ -272,7 +272,9 @@ INFO_TWINS = (
         (),
         "Labels: block_size, num_gpu_blocks (quire_kv_blocks_capacity), num_cpu_blocks, "
         "cache_dtype, enable_prefix_caching, gpu_memory_utilization, swap_space, sliding_window "
-        "and engine, written as vLLM writes them; present once the engine is loaded.",
+        "and engine, written as vLLM writes them; present once the engine is loaded. Quire adds "
+        "num_prefix_blocks: the blocks whose prefixes it serves without recompute (the device "
+        "pool plus the host tier), for a router's per-replica prefix index.",
     ),
     Twin(
         LORA_REQUESTS_INFO,
@@ -294,7 +296,12 @@ def cache_config_labels(
 ) -> dict[str, str]:
     """``vllm:cache_config_info``'s labels: the fields of vLLM's ``CacheConfig`` Quire has, as
     vLLM writes them (``str`` of the value); ``cache_dtype`` is ``--kv-cache-dtype`` (``auto``:
-    the model's dtype)."""
+    the model's dtype).
+
+    ``num_prefix_blocks`` is Quire's: device blocks plus host-tier blocks, what a replica's prefix
+    cache holds. The Endpoint Picker sizes its per-replica prefix index from a label of this
+    series (``num_gpu_blocks`` unless configured otherwise); with a tier the operator points it
+    here, so the index does not forget prefixes the replica still serves from host memory."""
     return {
         "block_size": str(cache.block_size),
         "cache_dtype": cache.kv_cache_dtype.value,
@@ -302,6 +309,7 @@ def cache_config_labels(
         "gpu_memory_utilization": str(gpu_memory_utilization),
         "num_cpu_blocks": str(cache.num_cpu_blocks),
         "num_gpu_blocks": str(cache.num_blocks),
+        "num_prefix_blocks": str(cache.num_blocks + cache.num_host_blocks),
         "sliding_window": str(cache.sliding_window),
         "swap_space": str(swap_space),
         "engine": ENGINE_INDEX,

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 from quire_operator import meta
+from quire_operator.builders.host_memory import with_host_tier
 from quire_operator.config import OperatorConfig
 from quire_operator.spec.view import InferenceService, ModelKind, ModelSource, SecretKeyRef
 
@@ -211,7 +212,7 @@ def cpu_memory(isvc: InferenceService) -> dict[str, Any]:
 
 
 def _engine_resources(isvc: InferenceService) -> dict[str, Any]:
-    resources = cpu_memory(isvc)
+    resources = with_host_tier(isvc, cpu_memory(isvc))
     if isvc.resources.gpus:
         # Extended resources go in limits only; the API server copies them to requests.
         limits = {**resources.get("limits", {})}

@@ -52,6 +52,19 @@ PREFIX_CACHE_SCORER = "prefix-cache-scorer"
 PICKER = "max-score-picker"
 METRICS_SOURCE = "metrics-data-source"
 METRICS_EXTRACTOR = "core-metrics-extractor"
+# The engine's vllm:cache_config_info label counting device plus host-tier blocks (a replica's
+# whole prefix cache): with a host tier the picker sizes its per-replica prefix index from it.
+PREFIX_BLOCKS_LABEL = "num_prefix_blocks"
+# GIE v1.5.0's built-in metric specs for engine-type vllm (its defaultEngineConfigs): a config
+# that names the engine replaces the built-in one whole, so the override repeats them.
+VLLM_METRICS = {
+    "name": meta.ENGINE_TYPE,
+    "queuedRequestsSpec": "vllm:num_requests_waiting",
+    "runningRequestsSpec": "vllm:num_requests_running",
+    "kvUsageSpec": "vllm:kv_cache_usage_perc",
+    "loraSpec": "vllm:lora_requests_info",
+    "cacheInfoSpec": "vllm:cache_config_info",
+}
 # The EndpointPickerConfig feature gate of the flow control layer (the hold queue).
 FLOW_CONTROL_GATE = "flowControl"
 
@@ -76,10 +89,17 @@ def _metadata(isvc: InferenceService) -> dict[str, Any]:
     return meta.object_meta(isvc.ref, epp_name(isvc.ref.name), epp_labels(isvc.ref.name))
 
 
-def endpoint_picker_config(weights: ScorerWeights) -> dict[str, Any]:
+def endpoint_picker_config(weights: ScorerWeights, host_tier: bool = False) -> dict[str, Any]:
     """GIE's default scheduling (its default weights unless the spec sets others), written out:
     the scorers with a weight above 0, the highest total score wins, and the engines' metrics
-    scraped from ``/metrics`` with the vLLM metric names."""
+    scraped from ``/metrics`` with the vLLM metric names.
+
+    ``host_tier``: the replicas keep evicted prefixes in host memory. The prefix scorer's index
+    (GIE's approximate prefix cache, ``autoTune`` on by default) keeps an LRU per replica as
+    large as the replica's ``num_gpu_blocks``, so it would forget prefixes the replica still
+    serves from its tier and send them anywhere; the extractor is pointed at
+    ``num_prefix_blocks`` instead (device plus host blocks). GIE v1.5.0 has no scorer that reads
+    the tier's usage or hit rate: the index's capacity is what it can weigh."""
     scorers = [
         (kind, weight)
         for kind, weight in (
@@ -89,7 +109,14 @@ def endpoint_picker_config(weights: ScorerWeights) -> dict[str, Any]:
         )
         if weight
     ]
-    extractor = {"engineLabelKey": meta.ENGINE_TYPE_LABEL, "defaultEngine": meta.ENGINE_TYPE}
+    extractor: dict[str, Any] = {
+        "engineLabelKey": meta.ENGINE_TYPE_LABEL,
+        "defaultEngine": meta.ENGINE_TYPE,
+    }
+    if host_tier:
+        extractor["engineConfigs"] = [
+            {**VLLM_METRICS, "cacheNumBlocksLabelName": PREFIX_BLOCKS_LABEL}
+        ]
     return {
         "apiVersion": f"{OBJECTIVES_GROUP}/v1alpha1",
         "kind": "EndpointPickerConfig",
@@ -132,7 +159,7 @@ def flow_control(hold: ScaleToZero) -> dict[str, Any]:
 
 
 def config_text(isvc: InferenceService) -> str:
-    config = endpoint_picker_config(isvc.routing.weights)
+    config = endpoint_picker_config(isvc.routing.weights, bool(isvc.engine.kv_offloading_size_gib))
     if isvc.autoscaling.scales_to_zero:
         config = {**config, **flow_control(isvc.autoscaling.scale_to_zero)}
     return yaml.safe_dump(config, sort_keys=False)

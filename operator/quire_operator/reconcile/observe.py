@@ -18,7 +18,8 @@ from quire_operator import meta
 from quire_operator.builders.autoscaling import held_requests_query
 from quire_operator.builders.deployment import cache_claim_name
 from quire_operator.builders.desired import Wanted, download_job
-from quire_operator.builders.endpoint_picker import EPP_APP
+from quire_operator.builders.endpoint_picker import EPP_APP, PREFIX_BLOCKS_LABEL
+from quire_operator.builders.host_memory import bytes_quantity, limit_warning, tier_bytes_per_pod
 from quire_operator.builders.inference_pool import epp_name
 from quire_operator.children import TIMEOUT
 from quire_operator.config import OperatorConfig
@@ -38,9 +39,10 @@ from quire_operator.observed.views import (
     parse_pool_parents,
 )
 from quire_operator.reconcile.converge import Ours
-from quire_operator.spec.view import Identity, InferenceService, InvalidSpec
+from quire_operator.spec.view import Identity, InferenceService, InvalidSpec, RoutingMode
 from quire_operator.status.conditions import (
     CacheObservation,
+    HostTierObservation,
     Observation,
     Problem,
     RoutingObservation,
@@ -67,6 +69,19 @@ def _engine_view(name: str, ours: Ours) -> DeploymentView | None:
     if (found := ours.get(ChildKey(Kind.LEADER_WORKER_SET, name))) is not None:
         return parse_leader_worker_set(found)
     return None
+
+
+def _host_tier(isvc: InferenceService | None) -> HostTierObservation | None:
+    """The host tier as the spec sizes it; None without one (or for an invalid spec)."""
+    if isvc is None or not isvc.engine.kv_offloading_size_gib:
+        return None
+    routed = isvc.routing.mode is RoutingMode.INFERENCE_POOL
+    return HostTierObservation(
+        size_gib=isvc.engine.kv_offloading_size_gib,
+        memory_per_pod=bytes_quantity(tier_bytes_per_pod(isvc)),
+        picker_capacity_label=PREFIX_BLOCKS_LABEL if routed else None,
+        warning=limit_warning(isvc),
+    )
 
 
 class Observer:
@@ -104,6 +119,7 @@ class Observer:
             scales_to_zero=identity.scales_to_zero,
             held=self._held_while_waking(isvc, deployment),
             model_cache=self._cache(isvc, ours, cache),
+            host_tier=_host_tier(isvc),
         )
 
     def _held_while_waking(

@@ -18,7 +18,7 @@ from typing import Any
 from quire_operator.meta import ObjectRef
 
 # A Kubernetes quantity (resource.Quantity's grammar, without the sign).
-_QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
 _URL = re.compile(r"^https?://\S+$")
 # The engine's own bounds (quire_engine.core.config; tests/test_config_agreement.py checks them).
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two up to MAX_BLOCK_SIZE
@@ -52,7 +52,7 @@ class ModelCache:
     access_mode: CacheAccessMode = CacheAccessMode.READ_WRITE_MANY
 
     def __post_init__(self) -> None:
-        valid = self.size > 0 if isinstance(self.size, int) else _QUANTITY.match(self.size)
+        valid = self.size > 0 if isinstance(self.size, int) else QUANTITY.match(self.size)
         if not valid:
             raise ValueError(f"model.cache.size must be a quantity such as 20Gi: {self.size!r}")
 

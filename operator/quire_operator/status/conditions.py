@@ -123,6 +123,20 @@ class CacheObservation:
 
 
 @dataclass(frozen=True)
+class HostTierObservation:
+    """The KV host tier as the spec sizes it (spec.engine.kvOffloadingSizeGiB > 0)."""
+
+    size_gib: float
+    memory_per_pod: str  # the quantity added to each engine pod's memory request (and limit)
+    # The cache_config_info label the Endpoint Picker sizes its per-replica prefix index by;
+    # None without routing.
+    picker_capacity_label: str | None
+    # Set when spec.resources.limits.memory is below the tier's share: likely meant for the
+    # whole pod, while the operator adds the tier on top of it.
+    warning: str | None = None
+
+
+@dataclass(frozen=True)
 class Observation:
     generation: int
     url: str
@@ -138,6 +152,7 @@ class Observation:
     # or Prometheus did not say).
     held: int | None = None
     model_cache: CacheObservation | None = None  # None without spec.model.cache
+    host_tier: HostTierObservation | None = None  # None without a host tier (or invalid spec)
 
 
 def _deployment_problem(deployment: DeploymentView) -> Problem | None:
@@ -392,4 +407,15 @@ def build_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dic
             status["autoscaler"]["lastScale"] = last
     if obs.model_cache is not None:
         status["modelCache"] = _cache_status(obs.model_cache)
+    if obs.host_tier is not None:
+        status["hostTier"] = _host_tier_status(obs.host_tier)
+    return status
+
+
+def _host_tier_status(tier: HostTierObservation) -> dict[str, Any]:
+    status: dict[str, Any] = {"sizeGiB": tier.size_gib, "memoryPerPod": tier.memory_per_pod}
+    if tier.picker_capacity_label is not None:
+        status["pickerCapacityLabel"] = tier.picker_capacity_label
+    if tier.warning is not None:
+        status["warning"] = tier.warning
     return status

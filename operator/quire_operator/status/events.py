@@ -91,6 +91,10 @@ def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Tra
                 if kind == "Ready" and _idle(new):
                     continue  # scaled to zero on purpose: no Warning
                 found.append(Transition(WARNING, lost, now_["message"]))
+    # The host tier's memory limit warning: once when it appears or its text changes.
+    warning = (after.get("hostTier") or {}).get("warning")
+    if warning and warning != (before.get("hostTier") or {}).get("warning"):
+        found.append(Transition(WARNING, "HostTierMemory", warning))
     return found
 
 

@@ -134,6 +134,7 @@ def test_counters_count_exactly_the_traffic(vllm_workload: Workload) -> None:
     cache = series(samples, "vllm:cache_config_info")
     ((info, one),) = cache.items()
     assert one == 1 and dict(info)["num_gpu_blocks"] == "8" and dict(info)["block_size"] == "16"
+    assert dict(info)["num_prefix_blocks"] == "8"  # no host tier: the device pool alone
 
 
 def test_the_exposition_parses_with_one_family_per_name(vllm_workload: Workload) -> None:

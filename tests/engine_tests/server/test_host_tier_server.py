@@ -48,3 +48,6 @@ def test_host_hits_are_cached_tokens_and_metrics() -> None:
         vllm = (("engine", "0"), ("transfer_type", kind.value))
         assert m[("vllm:kv_offload_total_bytes_total", vllm)] == blocks * 16 * 4096
     assert m[("quire_kv_offload_blocks_total", (("transfer_type", "CPU_to_GPU"),))] >= 4 * 5
+    # The router's per-replica prefix index is sized from this label: device plus host blocks.
+    (info,) = [dict(labels) for name, labels in m if name == "vllm:cache_config_info"]
+    assert (info["num_gpu_blocks"], info["num_prefix_blocks"]) == ("32", str(32 + 128))
