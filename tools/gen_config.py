@@ -138,6 +138,7 @@ SECTION_TITLES = {
     "cache": "KV cache (`EngineConfig.cache`)",
     "scheduler": "Scheduler (`EngineConfig.scheduler`)",
     "parallel": "Tensor parallelism (`EngineConfig.parallel`)",
+    "lora": "LoRA adapters (`EngineConfig.lora`)",
     "engine": "Engine (`EngineConfig`)",
     "settings": "HTTP server (`ServerSettings`)",
     "tools": "Tool calls (`ServerSettings.tools`)",

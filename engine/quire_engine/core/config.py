@@ -2,10 +2,11 @@
 
 ``EngineConfig`` is what ``LLM(...)`` and ``quire-engine serve`` accept: ``model``
 (``ModelConfig``), ``cache`` (``CacheConfig``), ``scheduler`` (``SchedulerConfig``),
-``parallel`` (``ParallelConfig``) and ``seed``. Every field carries its flag, environment
-variable, default, bounds and help; ``__post_init__`` checks the declared bounds
-(``knobs.check``, a ``ValueError`` naming the field and the limit, so a bad flag fails at
-start-up instead of deep inside a step) and then the cross-field rules, written out below.
+``parallel`` (``ParallelConfig``), ``lora`` (``LoRAConfig``) and ``seed``. Every field carries
+its flag, environment variable, default, bounds and help; ``__post_init__`` checks the
+declared bounds (``knobs.check``, a ``ValueError`` naming the field and the limit, so a bad flag
+fails at start-up instead of deep inside a step) and then the cross-field rules, written out
+below.
 
 The parts take their sub-configs as they are: ``Scheduler(config.scheduler, config.cache)``.
 ``None`` means "derive it at start-up": ``max_model_len`` from the model,
@@ -180,6 +181,36 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Adapters served beside the base model (vLLM's flags): ``max_loras`` slots in a step (the
+    distinct adapters of the running sequences), ranks up to ``max_lora_rank``, and an LRU of
+    ``max_cpu_loras`` adapters kept loaded in host memory (default: ``max_loras``)."""
+
+    enable_lora: bool = knob(False, "serve LoRA adapters (peft format) beside the base model")
+    max_loras: int = knob(1, "distinct adapters in one step (slots of the model)", min=1)
+    max_lora_rank: int = knob(16, "the largest adapter rank accepted", min=1)
+    max_cpu_loras: int | None = knob(
+        None, "adapters kept loaded in host memory, LRU (default: --max-loras)", min=1
+    )
+
+    def __post_init__(self) -> None:
+        knobs.check(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    @property
+    def step_slots(self) -> int:
+        """Adapter slots of a step: ``max_loras`` with LoRA on, 0 off."""
+        return self.max_loras if self.enable_lora else 0
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Tensor parallelism: ``tensor_parallel_size`` ranks (processes, one device each) the
     model's layers are sharded over, on all nodes together; 1 runs the model in the engine
@@ -237,10 +268,16 @@ class EngineConfig:
     cache: CacheConfig = section(CacheConfig)
     scheduler: SchedulerConfig = section(SchedulerConfig)
     parallel: ParallelConfig = section(ParallelConfig)
+    lora: LoRAConfig = section(LoRAConfig)
     seed: int = knob(0, "seed of unseeded sampling")
 
     def __post_init__(self) -> None:
         knobs.check(self)
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora with tensor_parallel_size > 1 is not served yet: adapters run on "
+                "one rank"
+            )
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any] | None = None, **kwargs: Any) -> EngineConfig:

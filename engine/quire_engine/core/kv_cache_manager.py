@@ -48,6 +48,7 @@ from quire_engine.core.block_table import NEVER, RELEASED, BlockTable
 from quire_engine.core.config import CacheConfig
 from quire_engine.core.host_tier import HostMove, HostTier
 from quire_engine.core.knobs import resolved
+from quire_engine.core.lora import hash_extra
 from quire_engine.core.sequence import Sequence
 
 
@@ -176,7 +177,7 @@ class KVCacheManager:
         step = bs * words.itemsize
         for i in range(done, num_blocks):
             parent = hashes[i - 1] if i else None
-            salt = None if i else seq.cache_salt
+            salt = None if i else hash_extra(seq.cache_salt, seq.lora_id)
             k = i - done
             hashes.append(hash_block_bytes(parent, data[k * step : (k + 1) * step], salt))
         return hashes

@@ -34,6 +34,7 @@ from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfi
 from quire_engine.core.host_tier import HostMove
 from quire_engine.core.knobs import resolved
 from quire_engine.core.kv_cache_manager import KVCacheManager
+from quire_engine.core.lora import BASE, AdapterSlots
 from quire_engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from quire_engine.core.stats import SchedulerStats, kv_demand_blocks
 
@@ -105,7 +106,10 @@ def prompt_logit_spans(out: SchedulerOutput) -> list[PromptLogitSpan]:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_loras: int = 0
+    ) -> None:
+        """``max_loras``: the model's adapter slots per step (0: LoRA off), see ``core/lora``."""
         self.config = scheduler_config
         self.cache_config = cache_config
         # Limits derived at start-up (plan_cache): resolved in the config by now.
@@ -119,6 +123,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # sorted by arrival: the head comes back first
         self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = {mode: 0 for mode in PreemptionMode}
+        self.adapter_slots = AdapterSlots(max_loras)
 
     # ---- admission and exits -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -267,6 +272,8 @@ class Scheduler:
         slots = self._free_slots() if self.swapped else 0
         while self.swapped and budget > 0 and self.swapped[0].reserved_seqs <= slots:
             seq = self.swapped[0]
+            if not self._adapter_fits(seq):
+                break
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             growth = kv.num_blocks_for(seq.num_computed_tokens + n) - len(
                 kv.cpu_block_ids(seq.seq_id)
@@ -289,6 +296,8 @@ class Scheduler:
         slots = self._free_slots() if self.waiting else 0
         while self.waiting and budget > 0 and self.waiting[0].reserved_seqs <= slots:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break  # first come, first served: it waits for an adapter to leave the step
             hits = kv.find_prefix(seq)  # on the device, then in the host tier
             num_hit = hits.num_blocks * kv.block_size
             n = min(seq.num_tokens - num_hit, budget)
@@ -305,6 +314,12 @@ class Scheduler:
             self._emit(out, seq, n)
             budget -= n
             slots -= seq.reserved_seqs
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter joins the running ones within the step's adapter slots."""
+        if seq.lora_id == BASE:
+            return True
+        return self.adapter_slots.admits((s.lora_id for s in self.running), seq.lora_id)
 
     def _free_slots(self) -> int:
         """max_num_seqs minus the slots running sequences hold (forks yet to come included)."""

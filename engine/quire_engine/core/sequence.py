@@ -44,6 +44,8 @@ class Sequence:
     prompt_token_ids: list[int]
     max_tokens: int
     cache_salt: str | None = None
+    # The LoRA adapter (``core/lora``: its lora_int_id; 0 the base model), part of the block hash.
+    lora_id: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -110,6 +112,7 @@ class Sequence:
             prompt_token_ids=self.prompt_token_ids,
             max_tokens=self.max_tokens,
             cache_salt=self.cache_salt,
+            lora_id=self.lora_id,
             output_token_ids=list(self.output_token_ids),
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,

@@ -27,6 +27,7 @@ from quire_engine.core.scheduler import Scheduler
 from quire_engine.engine.startup import StartupPhase, StartupTimes
 from quire_engine.model import loader as model_loader
 from quire_engine.model.cache_plan import plan_cache
+from quire_engine.model.lora import LoRAModel
 from quire_engine.model.runner import ModelRunner
 from quire_engine.parallel.group import WorkerGroup
 from quire_engine.structured.grammars import GrammarCache
@@ -100,13 +101,15 @@ def _load(
     with phase(StartupPhase.KV_PROFILE):
         plan = plan_cache(config, loaded, device, dtype, comm)
     # The sub-configs with the derived values resolved, as the scheduler takes them.
-    scheduler = Scheduler(plan.scheduler, plan.cache)
+    scheduler = Scheduler(plan.scheduler, plan.cache, config.lora.step_slots)
     max_len, shape = scheduler.max_model_len, plan.shape
     num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
     with phase(StartupPhase.KV_ALLOCATE):
         runner = ModelRunner.from_plan(loaded, plan, device, native_linears=comm is None)
     if parallel is not None:
         runner.publish = parallel.publish
+    if config.lora.enable_lora:
+        runner.lora = LoRAModel(loaded.model, config.lora, device)
     logger.info(
         "KV pool: %d blocks x %d tokens of %s (%s scales, %d bytes per token; %.1f MiB per "
         "rank), %d CPU swap blocks, %d host-tier blocks (%.1f MiB per rank), max_model_len %d, "

@@ -14,11 +14,14 @@ from transformers import PreTrainedTokenizerBase
 
 from quire_engine.core.block_pool import PoolStats
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.lora import LoRARequest
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int]
+# One request of a call: prompt, sampling, beam width (None: sampling), adapter (None: base).
+Work = tuple[Prompt, SamplingParams, int | None, LoRARequest | None]
 
 
 class LLM:
@@ -39,8 +42,12 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in prompt order.
+
+        ``lora_request`` (with ``enable_lora``): one adapter for every prompt, or one per prompt
+        (None: the base model); prompts of different adapters run batched together.
 
         A prompt is a string or a list of token ids. ``params`` is one ``SamplingParams`` for all
         or one per prompt; None takes the checkpoint's ``generation_config.json`` sampling values
@@ -57,7 +64,14 @@ class LLM:
         )
         if len(param_list) != len(prompt_list):
             raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
-        return self._run([(p, sp, None) for p, sp in zip(prompt_list, param_list, strict=True)])
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            adapters = list(lora_request)
+        if len(adapters) != len(prompt_list):
+            raise ValueError(f"{len(adapters)} lora_requests for {len(prompt_list)} prompts")
+        work = zip(prompt_list, param_list, adapters, strict=True)
+        return self._run([(p, sp, None, lora) for p, sp, lora in work])
 
     def beam_search(
         self,
@@ -72,7 +86,7 @@ class LLM:
         if beam_width < 1:
             raise ValueError(f"beam_width must be >= 1; got {beam_width}")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        return self._run([(p, params, beam_width) for p in _as_prompt_list(prompts)])
+        return self._run([(p, params, beam_width, None) for p in _as_prompt_list(prompts)])
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (also done when the ``LLM`` is collected
@@ -95,12 +109,12 @@ class LLM:
         (never between ``generate`` calls, which finish every request they add)."""
         return self.engine.scheduler.kv.reset_prefix_cache()
 
-    def _run(self, work: list[tuple[Prompt, SamplingParams, int | None]]) -> list[RequestOutput]:
+    def _run(self, work: list[Work]) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in work]
         try:
-            for rid, (prompt, params, beam_width) in zip(ids, work, strict=True):
-                engine.add_request(rid, prompt, params, beam_width=beam_width)
+            for rid, (prompt, params, beam_width, lora) in zip(ids, work, strict=True):
+                engine.add_request(rid, prompt, params, beam_width=beam_width, lora_request=lora)
             results: dict[str, RequestOutput] = {}
             pending = set(ids)
             while pending:

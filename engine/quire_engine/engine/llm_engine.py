@@ -38,6 +38,7 @@ import torch
 
 from quire_engine.core import beam_search
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.lora import BASE, LoRARequest
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.request_table import Request
 from quire_engine.core.sampling_params import SamplingParams
@@ -118,16 +119,19 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         beam_width: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; ``ValueError`` for bad input or one that cannot fit. Transactional:
         everything is validated and built first, and a rejection leaves the request table and
-        the scheduler exactly as they were."""
+        the scheduler exactly as they were (an adapter loaded for it stays loaded: a cache).
+        ``lora_request``: the adapter it runs with (needs ``enable_lora``)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams; got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         width = self._check_fit(params, beam_width)
         text, ids = self.tokenize(prompt)
+        lora_id = self._adapter(lora_request)
         compiled = None
         if params.constraint is not None:
             if beam_width is not None:
@@ -155,6 +159,7 @@ class LLMEngine:
             ids,
             max_tokens=params.max_tokens,
             cache_salt=cache_salt,
+            lora_id=lora_id,
             reserved_seqs=width,
             prompt_logits=params.prompt_logprobs is not None,
         )
@@ -164,6 +169,18 @@ class LLMEngine:
         self.requests.add(req, first)  # the scheduler's checks; nothing changed if it raises
         if req.beam is not None:
             req.beam.active.append(seq.seq_id)
+
+    def _adapter(self, request: LoRARequest | None) -> int:
+        """The lora id a request runs with (0: the base model), its adapter loaded."""
+        if request is None:
+            return BASE
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest; got {type(request).__name__}")
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} asked for; enable_lora is off")
+        lora.add(request)
+        return request.lora_int_id
 
     def _check_fit(self, params: SamplingParams, beam_width: int | None) -> int:
         """Engine-dependent limits; returns how many sequences the request runs at once."""

@@ -309,7 +309,7 @@ def cache_config_labels(
         "gpu_memory_utilization": str(gpu_memory_utilization),
         "num_cpu_blocks": str(cache.num_cpu_blocks),
         "num_gpu_blocks": str(cache.num_blocks),
-        "num_prefix_blocks": str(cache.num_blocks + cache.num_host_blocks),
+        "num_prefix_blocks": str((cache.num_blocks or 0) + cache.num_host_blocks),
         "sliding_window": str(cache.sliding_window),
         "swap_space": str(swap_space),
         "engine": ENGINE_INDEX,

@@ -43,6 +43,7 @@ from quire_engine.model.host_pool import HostPool
 if TYPE_CHECKING:
     from quire_engine.model.cache_plan import CachePlan
     from quire_engine.model.loader import LoadedModel
+    from quire_engine.model.lora import LoRAModel
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class ModelRunner:
         self.publish: Callable[[StepPlan], None] | None = None
         # Instrumentation's hook inside the forward (the clock is read only while one is set).
         self.forward_observer: ForwardObserver | None = None
+        # LoRA adapters (model/lora), installed by the engine's build when enable_lora is on.
+        self.lora: LoRAModel | None = None
         # Host array -> tensor on the device; on CPU the numpy buffer itself (``.to`` would be a
         # no-op costing a dispatcher round trip per input per step).
         self._put: Callable[[np.ndarray], torch.Tensor] = (
@@ -217,6 +220,7 @@ class ModelRunner:
         if (
             stack is None
             or stack.model is not self.model  # e.g. bench step's stand-in forward
+            or x.lora_ids is not None  # adapters run through the modules' forwards
             or x.max_query_len != 1
             or len(x.sample_rows) != num_seqs
             or num_seqs > decoder_cpu.MAX_ROWS
@@ -279,13 +283,22 @@ class ModelRunner:
             use_triton=self.use_triton,
             cpu_plan=cpu_plan,
         )
-        result = self.model(
-            input_ids=put(x.input_ids).unsqueeze(0),
-            position_ids=put(x.positions).unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=put(keep),
-            quire_metadata=md,
-        )
+        lora = self.lora
+        if lora is not None:
+            lora.prepare(x.lora_ids, x.counts)
+        elif x.lora_ids is not None:
+            raise RuntimeError("a step with LoRA adapters on a runner without LoRA")
+        try:
+            result = self.model(
+                input_ids=put(x.input_ids).unsqueeze(0),
+                position_ids=put(x.positions).unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=put(keep),
+                quire_metadata=md,
+            )
+        finally:
+            if lora is not None:
+                lora.finish()
         return result.logits[0].float()  # [num_sampling_seqs, vocab]
 
     @property
@@ -344,6 +357,7 @@ class StepInputs:
     seq_lens: np.ndarray  # int64 [S]: context length after the step
     sample_rows: np.ndarray  # int64 [rows]: index in T of each sampled token
     max_query_len: int  # the most new tokens of one sequence
+    lora_ids: np.ndarray | None = None  # int64 [S]: each sequence's adapter; None: all base
 
 
 def build_step_inputs(out: SchedulerOutput) -> StepInputs:
@@ -387,9 +401,14 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
     tables = _pad_tables(out.block_tables)  # [num_seqs, max_blocks]
     bs = out.block_size
     slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    lora_ids: np.ndarray | None = np.fromiter(
+        map(_lora_id, out.seqs), dtype=np.int64, count=num_seqs
+    )
+    if lora_ids is not None and not lora_ids.any():
+        lora_ids = None  # the base model alone (always, without LoRA)
     return StepInputs(
         counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows,
-        max_query_len,
+        max_query_len, lora_ids,
     )  # fmt: skip
 
 
@@ -424,6 +443,7 @@ def plan_step(out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()
 
 
 _token_ids = attrgetter("token_ids")
+_lora_id = attrgetter("lora_id")
 _last = itemgetter(-1)
 
 
