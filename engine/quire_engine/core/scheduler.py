@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -392,7 +392,13 @@ class Scheduler:
             num_preemptions=MappingProxyType(dict(self.num_preemptions)),
             waiting_ids=frozenset(seq.seq_id for seq in self.waiting),
             host=kv.host.stats() if kv.host is not None else None,
+            running_loras=_adapters(self.running) if self.adapter_slots.max_loras else (),
+            waiting_loras=_adapters(self.waiting) if self.adapter_slots.max_loras else (),
         )
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[int, ...]:
+    return tuple(sorted({seq.lora_id for seq in seqs} - {BASE}))
 
 
 def _arrival(seq: Sequence) -> int:

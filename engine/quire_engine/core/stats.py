@@ -39,6 +39,9 @@ class SchedulerStats(NamedTuple):
     num_preemptions: Mapping[PreemptionMode, int]  # a read-only copy
     waiting_ids: frozenset[str]  # ids of the sequences in WAITING
     host: HostTierStats | None = None  # the host tier under the prefix cache (None: no tier)
+    # LoRA adapters (their lora ids, ascending) of the running and the waiting sequences.
+    running_loras: tuple[int, ...] = ()
+    waiting_loras: tuple[int, ...] = ()
 
 
 class DemandSource(Protocol):

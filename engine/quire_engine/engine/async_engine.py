@@ -45,10 +45,13 @@ import time
 from collections.abc import Callable
 
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.lora import LoRARequest
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine.engine_thread import (
     Abort,
+    AdapterCommand,
+    AdapterOp,
     Add,
     EngineState,
     EngineThread,
@@ -188,6 +191,7 @@ class AsyncEngine:
         arrival: float | None = None,
         beam_width: int | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestHandle:
         """Queue one engine request per prompt; ``ValueError`` (nothing queued) for input the
         engine rejects, ``EngineUnavailable`` when it cannot take requests now."""
@@ -207,7 +211,16 @@ class AsyncEngine:
         # answering it, _fail_all (also on the event loop) answers it instead.
         self._submits.add(future)
         self._worker.commands.put(
-            Add(ids, prompts, params, arrival or time.monotonic(), future, beam_width, cache_salt)
+            Add(
+                ids,
+                prompts,
+                params,
+                arrival or time.monotonic(),
+                future,
+                beam_width,
+                cache_salt,
+                lora_request,
+            )
         )
         try:
             await future
@@ -222,6 +235,39 @@ class AsyncEngine:
             self._submits.discard(future)
             self._pending_adds -= len(ids)
         return RequestHandle(self.abort, ids, sink)
+
+    async def load_adapter(self, request: LoRARequest) -> None:
+        """Read and check ``request``'s adapter on a worker thread (not the step loop), then
+        serve it; ``ValueError`` for an adapter it cannot serve, ``EngineUnavailable`` when the
+        engine is not ready or LoRA is off."""
+        info = self._ready_info()
+        if info.lora_loader is None:
+            raise ValueError("LoRA is off on this server (--enable-lora)")
+        weights = await asyncio.to_thread(info.lora_loader, request)
+        await self._adapter_command(AdapterOp.LOAD, weights=weights)
+
+    async def unload_adapter(self, lora_id: int) -> None:
+        """Forget an adapter once the requests in flight on it have finished (the caller stops
+        sending it new ones first)."""
+        self._ready_info()
+        await self._adapter_command(AdapterOp.UNLOAD, lora_id=lora_id)
+
+    def _ready_info(self) -> ModelInfo:
+        error = self.not_ready()
+        if error is not None:
+            raise error
+        assert self.info is not None
+        return self.info
+
+    async def _adapter_command(self, op: AdapterOp, **fields: object) -> None:
+        assert self._loop is not None
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._submits.add(future)
+        try:
+            self._worker.commands.put(AdapterCommand(op, future, **fields))  # type: ignore[arg-type]
+            await future
+        finally:
+            self._submits.discard(future)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:

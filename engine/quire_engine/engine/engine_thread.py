@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from transformers import PreTrainedTokenizerBase
 
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.lora import LoRARequest
 from quire_engine.core.outputs import RequestOutput
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.engine.llm_engine import LLMEngine
@@ -35,6 +36,7 @@ from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 from quire_engine.engine.recorder import StatsRecorder
 from quire_engine.engine.request_handle import EngineUnavailable
 from quire_engine.engine.startup import StartupPhase
+from quire_engine.model.lora import LoRAWeights
 from quire_engine.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ class ModelInfo:
     # Structured outputs: the engine's compiled grammars (compile() is thread-safe).
     grammars: GrammarCache | None = None
     kv_cache_dtype: str = "auto"  # what the KV pool stores (--kv-cache-dtype, canonical name)
+    # LoRA (None: enable_lora is off): reads and checks an adapter on any thread, for
+    # ``AdapterCommand`` to insert on the engine thread.
+    lora_loader: Callable[[LoRARequest], LoRAWeights] | None = None
+    max_loras: int = 0
 
 
 @dataclass(slots=True)
@@ -74,6 +80,20 @@ class Add:
     future: asyncio.Future[None]
     beam_width: int | None = None  # beam search of this width instead of sampling
     cache_salt: str | None = None  # isolates the request's prefix-cache entries
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+
+
+class AdapterOp(enum.Enum):
+    LOAD = "load"  # serve ``weights`` (loaded off the step loop)
+    UNLOAD = "unload"  # once no unfinished request uses ``lora_id``, forget it
+
+
+@dataclass(slots=True)
+class AdapterCommand:
+    op: AdapterOp
+    future: asyncio.Future[None]
+    weights: LoRAWeights | None = None
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
@@ -86,7 +106,7 @@ class Stop:
     pass
 
 
-Command = Add | Abort | Stop  # what the event loop asks of the engine thread
+Command = Add | Abort | AdapterCommand | Stop  # what the event loop asks of the engine thread
 
 # An answer to one submit: its future and the error it failed with (None: queued).
 Resolution = tuple[asyncio.Future[None], Exception | None]
@@ -130,6 +150,8 @@ class EngineThread:
         self.idle = True
         self.hung = False  # set by the watchdog; the engine thread stops after its step
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        # Unloads waiting for the requests in flight on their adapter to finish.
+        self._unloads: list[AdapterCommand] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -165,6 +187,7 @@ class EngineThread:
             with engine.startup.phase(StartupPhase.WARMUP):
                 _warm_up(engine)
             tokenizer = copy.deepcopy(engine.tokenizer)
+            lora = engine.runner.lora
             self.info = ModelInfo(
                 engine.model_name,
                 engine.max_model_len,
@@ -173,9 +196,13 @@ class EngineThread:
                 engine.vocab_size,
                 engine.grammars,
                 engine.scheduler.cache_config.kv_cache_dtype.value,
+                lora.load if lora is not None else None,
+                lora.config.max_loras if lora is not None else 0,
             )
             engine.startup.ready()
             recorder = StatsRecorder(self.metrics, engine.scheduler.stats(), EngineFacts.of(engine))
+            if lora is not None:
+                recorder.adapters(lora.config.max_loras, lora.names)
             self.state = EngineState.READY
             logger.info(
                 "engine ready in %.1f s (load + warm-up): model %s, max_model_len %d",
@@ -210,6 +237,8 @@ class EngineThread:
             self.num_waiting = engine.scheduler.num_waiting
             if outputs:
                 self._post(self._callbacks.deliver, outputs)
+            if self._unloads:
+                self._finish_unloads(engine, recorder)
 
     def _apply_commands(self, engine: LLMEngine, recorder: StatsRecorder, *, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False once told to stop."""
@@ -231,6 +260,11 @@ class EngineThread:
                 break
             if isinstance(command, Add):
                 resolutions.append((command.future, self._add(engine, recorder, command)))
+            elif isinstance(command, AdapterCommand):
+                if command.op is AdapterOp.UNLOAD:
+                    self._unloads.append(command)  # answered by _finish_unloads
+                else:
+                    resolutions.append((command.future, self._load(engine, recorder, command)))
             else:
                 self._apply_abort(engine, recorder, command)
             try:
@@ -243,7 +277,38 @@ class EngineThread:
         self.num_waiting = engine.scheduler.num_waiting
         if resolutions:
             self._post(self._callbacks.resolve, resolutions)
+        if self._unloads:
+            self._finish_unloads(engine, recorder)
         return keep_going
+
+    def _load(
+        self, engine: LLMEngine, recorder: StatsRecorder, command: AdapterCommand
+    ) -> Exception | None:
+        assert command.weights is not None
+        try:
+            engine.add_adapter(command.weights)
+        except ValueError as exc:
+            return exc
+        lora = engine.runner.lora
+        assert lora is not None
+        recorder.adapters(lora.config.max_loras, lora.names)
+        return None
+
+    def _finish_unloads(self, engine: LLMEngine, recorder: StatsRecorder) -> None:
+        """Unload every adapter waiting to be unloaded that no unfinished request uses now (the
+        server stopped sending it requests when the unload was asked)."""
+        done = [u for u in self._unloads if not engine.adapter_in_use(u.lora_id)]
+        if not done:
+            return
+        self._unloads = [u for u in self._unloads if u not in done]
+        resolutions: list[Resolution] = []
+        for command in done:
+            engine.remove_adapter(command.lora_id)
+            resolutions.append((command.future, None))
+        lora = engine.runner.lora
+        if lora is not None:
+            recorder.adapters(lora.config.max_loras, lora.names)
+        self._post(self._callbacks.resolve, resolutions)
 
     def _next_command(self, engine: LLMEngine) -> Command:
         """Wait for a command, checking the engine's health (its tensor-parallel ranks) every
@@ -267,6 +332,7 @@ class EngineThread:
                     params,
                     cache_salt=command.cache_salt,
                     beam_width=command.beam_width,
+                    lora_request=command.lora_request,
                 )
                 added.append(rid)
         except Exception as exc:  # ValueError: bad input (400); anything else: a bug (500)
@@ -275,8 +341,9 @@ class EngineThread:
             for rid in added:  # all prompts of a request or none
                 engine.abort_request(rid)
             return exc
+        lora = command.lora_request.lora_name if command.lora_request is not None else None
         for rid, prompt, params in zip(added, command.prompts, command.params, strict=True):
-            recorder.added(rid, len(prompt), params, command.arrival)
+            recorder.added(rid, len(prompt), params, command.arrival, lora)
         return None
 
     def _apply_abort(self, engine: LLMEngine, recorder: StatsRecorder, command: Abort) -> None:
@@ -308,13 +375,14 @@ class EngineThread:
             code="shutting_down" if stopped else "engine_down",
             retry_after=5 if stopped else 30,
         )
-        resolutions: list[Resolution] = []
+        resolutions: list[Resolution] = [(u.future, error) for u in self._unloads]
+        self._unloads = []
         while True:
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, Add):
+            if isinstance(command, Add | AdapterCommand):
                 resolutions.append((command.future, error))
         if resolutions:
             self._post(self._callbacks.resolve, resolutions)

@@ -50,6 +50,7 @@ from quire_engine.engine.output_processor import OutputProcessor
 from quire_engine.engine.prompt_logprobs import PromptLogprobs
 from quire_engine.engine.startup import StartupTimes
 from quire_engine.engine.step_batch import GreedyBatch, PlannedBatch, StepBatch
+from quire_engine.model.lora import LoRAWeights
 from quire_engine.model.sampler import greedy_tokens, sample
 from quire_engine.structured import matchers
 
@@ -169,6 +170,24 @@ class LLMEngine:
         self.requests.add(req, first)  # the scheduler's checks; nothing changed if it raises
         if req.beam is not None:
             req.beam.active.append(seq.seq_id)
+
+    def add_adapter(self, weights: LoRAWeights) -> None:
+        """Serve an adapter loaded off the step loop (``LoRAModel.load``); ``ValueError`` if LoRA
+        is off or its id belongs to another adapter."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("enable_lora is off")
+        lora.insert(weights)
+
+    def adapter_in_use(self, lora_id: int) -> bool:
+        """Whether an unfinished sequence runs with the adapter."""
+        return any(seq.lora_id == lora_id for seq in self.scheduler.seqs.values())
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        """Forget an adapter no sequence uses (``adapter_in_use`` first); False if unknown."""
+        if self.adapter_in_use(lora_id):
+            raise ValueError(f"LoRA adapter {lora_id} is in use")
+        return self.runner.lora is not None and self.runner.lora.remove(lora_id)
 
     def _adapter(self, request: LoRARequest | None) -> int:
         """The lora id a request runs with (0: the base model), its adapter loaded."""

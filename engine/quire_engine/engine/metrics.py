@@ -123,6 +123,19 @@ class ServerMetrics:
             "quire_num_requests_waiting", "Sequences waiting to be scheduled."
         )
         self.swapped = self._gauge("quire_num_requests_swapped", "Sequences swapped out to CPU.")
+        self.lora_requests = self._counter_family(
+            "quire_lora_requests_total",
+            "Requests (prompts) admitted, per LoRA adapter.",
+            "lora_name",
+        )
+        self.lora_prompt_tokens = self._counter_family(
+            "quire_lora_prompt_tokens_total", "Prompt tokens, per LoRA adapter.", "lora_name"
+        )
+        self.lora_generation_tokens = self._counter_family(
+            "quire_lora_generation_tokens_total",
+            "Tokens generated for finished or aborted requests, per LoRA adapter.",
+            "lora_name",
+        )
         preemptions = self._counter_family(
             "quire_preemptions_total",
             "Sequences preempted because the KV pool ran dry.",
@@ -303,6 +316,11 @@ class ServerMetrics:
                 ),
                 host_tier=facts.cache.num_host_blocks > 0,
             )
+
+    def lora_state(self, state: vllm_metrics.LoRAState) -> None:
+        """What ``vllm:lora_requests_info`` reports from now on (engine thread)."""
+        if self.vllm_collector is not None:
+            self.vllm_collector.set_lora(state)
 
     def vllm_twins(self) -> list[vllm_metrics.Twin]:
         """Every exposed ``vllm:*`` family with its ``quire_*`` twin (empty with ``vllm=False``)."""

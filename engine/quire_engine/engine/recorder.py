@@ -16,6 +16,7 @@ its end. Queue, prefill, decode and inference times are differences of these (vL
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from quire_engine.core.config import PreemptionMode
@@ -25,6 +26,7 @@ from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.core.sequence import FinishReason
 from quire_engine.core.stats import SchedulerStats
 from quire_engine.engine.metrics import EngineFacts, ServerMetrics, TransferType
+from quire_engine.engine.vllm_metrics import LoRAState
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class _Timeline:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     last_token: dict[int, float] = field(default_factory=dict)  # per sample index
     seen: dict[int, int] = field(default_factory=dict)  # tokens already counted, per sample
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 _NO_TIER = HostTierStats(0, 0, 0, 0, 0, 0, 0)
@@ -71,21 +74,44 @@ class StatsRecorder:
             metrics.offload_capacity_bytes.set(stats.host.capacity * facts.kv_bytes_per_block)
         self._unreported: dict[PreemptionMode, int] = dict.fromkeys(PreemptionMode, 0)
         self._last_warning = float("-inf")
+        self._lora = LoRAState(0, {}, (), ())
         self.refresh(stats)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live
 
     def added(
-        self, request_id: str, num_prompt_tokens: int, params: SamplingParams, arrival: float
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        arrival: float,
+        lora_name: str | None = None,
     ) -> None:
         line = _Timeline(arrival, num_prompt_tokens, params.n, params.max_tokens)
         self._live[request_id] = self._queued[request_id] = line
+        if lora_name is not None:
+            line.lora_name = lora_name
+            m = self.metrics
+            m.lora_requests.labels(m.model_name, lora_name).inc()
+            m.lora_prompt_tokens.labels(m.model_name, lora_name).inc(num_prompt_tokens)
+
+    def adapters(self, max_lora: int, names: Mapping[int, str]) -> None:
+        """The adapters served changed (loaded, unloaded) or the engine started."""
+        self._lora = self._lora._replace(max_lora=max_lora, names=dict(names))
+        self.metrics.lora_state(self._lora)
+
+    def _lora_tokens(self, line: _Timeline) -> None:
+        if line.lora_name is not None:
+            m = self.metrics
+            tokens = sum(line.seen.values())
+            m.lora_generation_tokens.labels(m.model_name, line.lora_name).inc(tokens)
 
     def aborted(self, request_id: str, now: float) -> None:
         self._queued.pop(request_id, None)
         line = self._live.pop(request_id, None)
         if line is not None:
+            self._lora_tokens(line)
             self.metrics.success(FinishReason.ABORT).inc()
             self._log_finished(request_id, line, FinishReason.ABORT, now)
 
@@ -163,11 +189,16 @@ class StatsRecorder:
         if stats.host is not None:
             m.offload_used.set(stats.host.used)
             m.offload_usage.set(stats.host.usage)
+        lora = self._lora._replace(running=stats.running_loras, waiting=stats.waiting_loras)
+        if lora != self._lora:
+            self._lora = lora
+            m.lora_state(lora)
 
     def _finished(self, line: _Timeline, reason: FinishReason, end: float) -> None:
         """The per-request series of a request that finished in a step (an abort between steps
         only counts in ``quire_request_success_total``)."""
         m = self.metrics
+        self._lora_tokens(line)
         m.success(reason).inc()
         m.e2e.observe(end - line.arrival)
         longest = max(line.seen.values(), default=0)

@@ -280,11 +280,31 @@ INFO_TWINS = (
         LORA_REQUESTS_INFO,
         "gauge",
         (),
-        'One series: max_lora="0", running_lora_adapters="", waiting_lora_adapters="". vLLM '
-        "exports it only when it serves LoRA adapters; Quire always does, so that the endpoint "
-        "picker, which reads it by default, finds it.",
+        "One series: max_lora (the adapter slots of a step, 0 without LoRA), "
+        "running_lora_adapters and waiting_lora_adapters (the names of the adapters of the "
+        "running and the waiting requests, comma-separated); the value is the time of the "
+        "report. vLLM exports it only when it serves LoRA adapters; Quire always does, so that "
+        "the endpoint picker, which reads it by default, finds it.",
     ),
 )
+
+
+class LoRAState(NamedTuple):
+    """What ``vllm:lora_requests_info`` reports: the step's adapter slots, every adapter's
+    name by lora id, and the adapters of the running and the waiting requests."""
+
+    max_lora: int
+    names: Mapping[int, str]
+    running: tuple[int, ...]
+    waiting: tuple[int, ...]
+
+    def labels(self) -> list[str]:
+        """max_lora, waiting_lora_adapters, running_lora_adapters (vLLM's label order)."""
+
+        def joined(ids: tuple[int, ...]) -> str:
+            return ",".join(self.names.get(i, str(i)) for i in ids)
+
+        return [str(self.max_lora), joined(self.waiting), joined(self.running)]
 
 
 class _Collector(Protocol):
@@ -328,7 +348,17 @@ class VllmCollector:
         self._sources = list(sources)
         self._cache_labels: Mapping[str, str] | None = None
         self._host_tier = False
+        self._lora = LoRAState(0, {}, (), ())
         self._lock = threading.Lock()
+
+    def set_lora(self, state: LoRAState) -> None:
+        with self._lock:
+            self._lora = state
+
+    @property
+    def lora(self) -> LoRAState:
+        with self._lock:
+            return self._lora
 
     def set_cache_config(self, labels: Mapping[str, str], *, host_tier: bool = False) -> None:
         """``host_tier``: the engine has one, so the series that need it are exported."""
@@ -375,7 +405,7 @@ class VllmCollector:
 
     def _info(self) -> list[Metric]:
         with self._lock:
-            cache = self._cache_labels
+            cache, adapters = self._cache_labels, self._lora
         info = GaugeMetricFamily(
             CACHE_CONFIG_INFO,
             "Configuration of the KV pool, in the labels (value 1).",
@@ -385,11 +415,11 @@ class VllmCollector:
             info.add_metric(list(cache.values()), 1.0)
         lora = GaugeMetricFamily(
             LORA_REQUESTS_INFO,
-            "LoRA adapters running and waiting, in the labels (none: Quire serves no adapters); "
-            "the value is the time of the report.",
+            "LoRA adapters running and waiting, in the labels; the value is the time of the "
+            "report.",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        lora.add_metric(["0", "", ""], time.time())
+        lora.add_metric(adapters.labels(), time.time())
         return [info, lora]
 
 

@@ -184,13 +184,38 @@ class LoRAModel:
             )
         weights = self.loaded.get(request.lora_int_id)
         if weights is None:
-            weights = load_adapter(request, self.targets, self.config.max_lora_rank, self.dtype)
-            self.requests[request.lora_int_id] = request
-            self.loaded[request.lora_int_id] = weights
-            while len(self.loaded) > self.config.cpu_loras:
-                self.loaded.popitem(last=False)
+            weights = self.insert(self.load(request))
         self.loaded.move_to_end(request.lora_int_id)
         return weights
+
+    def load(self, request: LoRARequest) -> LoRAWeights:
+        """Read and check an adapter without touching this model's state: safe on any thread
+        (the server loads off the engine's step loop, then ``insert``s on it)."""
+        return load_adapter(request, self.targets, self.config.max_lora_rank, self.dtype)
+
+    def insert(self, weights: LoRAWeights) -> LoRAWeights:
+        """Add loaded weights to the host LRU (a newer copy of an adapter replaces its slot)."""
+        lora_id = weights.request.lora_int_id
+        known = self.requests.get(lora_id)
+        if known is not None and known != weights.request:
+            raise ValueError(
+                f"lora_int_id {lora_id} is {known.lora_name!r}; "
+                f"{weights.request.lora_name!r} needs another id"
+            )
+        self.requests[lora_id] = weights.request
+        self.loaded[lora_id] = weights
+        self.loaded.move_to_end(lora_id)
+        slot = self.slot_of.pop(lora_id, None)  # reloaded: the slot takes the new weights
+        if slot is not None:
+            self.slot_rank[slot] = 0
+        while len(self.loaded) > self.config.cpu_loras:
+            self.loaded.popitem(last=False)
+        return weights
+
+    @property
+    def names(self) -> dict[int, str]:
+        """lora_int_id -> lora_name of every adapter added."""
+        return {i: r.lora_name for i, r in self.requests.items()}
 
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter (its host copy and its slot); False if it was not added."""

@@ -29,6 +29,8 @@ schema documents these error bodies (400, not FastAPI's 422).
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -43,7 +45,9 @@ from quire_engine.core.knobs import knob, section
 from quire_engine.engine.async_engine import AsyncEngine
 from quire_engine.engine.llm_engine import LLMEngine
 from quire_engine.engine.metrics import ServerMetrics
+from quire_engine.engine.request_handle import EngineUnavailable
 from quire_engine.server import tokens_api
+from quire_engine.server.adapters import AdapterRegistry, LoRAModule
 from quire_engine.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
 from quire_engine.server.endpoints import Endpoints
 from quire_engine.server.errors import install_error_handlers, unavailable
@@ -56,6 +60,8 @@ from quire_engine.server.tool_choice import ToolSettings
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_MAX_WAITING = 512
 DEFAULT_STEP_TIMEOUT_S = 60.0
+# vLLM's switch for its runtime adapter endpoints, honoured as well as our flag.
+VLLM_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,17 @@ class ServerSettings:
         "also export vLLM's metric names (vllm:*) on /metrics, for routers, dashboards and "
         "benchmarks written for vLLM; --no-vllm-metrics exports the quire_* series only",
     )
+    lora_modules: tuple[str, ...] = knob(
+        (),
+        "LoRA adapters to serve (with --enable-lora): name=path, or vLLM's JSON "
+        '{"name": ..., "path": ...}; clients select one by its name in "model"',
+        metavar="NAME=PATH",
+    )
+    allow_runtime_lora_updating: bool = knob(
+        False,
+        "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true turns it on too)",
+    )
     tools: ToolSettings = section(ToolSettings)
     reasoning_parser: ReasoningParserName | None = knob(
         None, "split the model's thinking (<think>...</think>) into reasoning_content"
@@ -115,6 +132,17 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         knobs.check(self)
+        for text in self.lora_modules:
+            LoRAModule.parse(text)  # a ValueError now, not at the first request
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not (
+            self.engine.lora.enable_lora
+        ):
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+
+
+def _runtime_lora_updating(settings: ServerSettings) -> bool:
+    allowed = os.environ.get(VLLM_RUNTIME_LORA, "").strip().lower() in ("1", "true")
+    return settings.allow_runtime_lora_updating or (allowed and settings.engine.lora.enable_lora)
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -127,12 +155,22 @@ def create_app(settings: ServerSettings) -> FastAPI:
         engine_factory=settings.engine_factory,
         on_death=settings.on_engine_death,
     )
-    api = Endpoints(engine, settings.served_model_names, settings.tools, settings.reasoning_parser)
+    adapters = AdapterRegistry(
+        engine,
+        settings.served_model_names,
+        tuple(LoRAModule.parse(text) for text in settings.lora_modules),
+        runtime_updates=_runtime_lora_updating(settings),
+    )
+    api = Endpoints(
+        engine, settings.served_model_names, settings.tools, settings.reasoning_parser, adapters
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        static = asyncio.create_task(adapters.load_static())
         yield
+        static.cancel()
         await engine.stop()
         api.close()
 
@@ -156,6 +194,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         error = engine.not_ready()
+        if error is None and not adapters.static_done:
+            error = EngineUnavailable(
+                "the LoRA adapters are loading", code="not_ready", retry_after=5
+            )
         if error is not None:
             raise unavailable(error)
         return JSONResponse({"status": "ready"})
@@ -170,6 +212,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     v1.add_api_route("/models", api.models, methods=["GET"])
     v1.add_api_route("/completions", api.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"])
+    v1.add_api_route("/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
+    v1.add_api_route("/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.include_router(v1)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])

@@ -17,7 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from quire_engine.core.constraint import OutputConstraint
 from quire_engine.core.sampling_params import SamplingParams
@@ -25,6 +25,7 @@ from quire_engine.engine.async_engine import AsyncEngine
 from quire_engine.engine.engine_thread import ModelInfo
 from quire_engine.engine.request_handle import EngineUnavailable
 from quire_engine.server import tokens_api
+from quire_engine.server.adapters import AdapterRegistry
 from quire_engine.server.choice_parser import OutputFormat
 from quire_engine.server.errors import unavailable
 from quire_engine.server.job import Job, abort_on_disconnect, respond, stream
@@ -33,8 +34,10 @@ from quire_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Json,
+    LoadLoRAAdapterRequest,
     OpenAIError,
     SamplingRequest,
+    UnloadLoRAAdapterRequest,
 )
 from quire_engine.server.reasoning import ReasoningParserName
 from quire_engine.server.rendering import ChatRenderer, CompletionRenderer, Echo, Renderer
@@ -59,9 +62,11 @@ class Endpoints:
         served_model_names: tuple[str, ...],
         tools: ToolSettings,
         reasoning_parser: ReasoningParserName | None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.adapters = adapters or AdapterRegistry(engine, served_model_names)
         self.tools = tools
         self.reasoning_parser = reasoning_parser
         self.created = int(time.time())
@@ -113,7 +118,25 @@ class Endpoints:
             }
             for name in self.served_model_names
         ]
+        cards += [
+            {
+                "id": lora.lora_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "quire",
+                "root": lora.lora_path,
+                "parent": self.served_model_names[0],
+                "max_model_len": info.max_model_len if info else None,
+            }
+            for lora in self.adapters.served()
+        ]
         return {"object": "list", "data": cards}
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await self.adapters.load(body.lora_name, body.lora_path))
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await self.adapters.unload(body.lora_name))
 
     async def tokenize(self, body: tokens_api.TokenizeRequest) -> Json:
         info = self._model(body.model)
@@ -136,13 +159,8 @@ class Endpoints:
         return self.engine.info
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(
-                404,
-                f"The model `{model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
+        """404 unless ``model`` is the base model (one of its names) or a served adapter."""
+        self.adapters.resolve(model)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -265,6 +283,7 @@ class Endpoints:
         # then the body's request_id, then a fresh one.
         given = request.headers.get("x-request-id") or body.request_id
         request_id = f"{prefix}-{given or uuid.uuid4().hex}"
+        lora = self.adapters.resolve(body.model)
         try:
             handle = await self.engine.submit(
                 request_id,
@@ -273,6 +292,7 @@ class Endpoints:
                 arrival=arrival,
                 beam_width=body.beam_width,
                 cache_salt=body.cache_salt,
+                lora_request=lora,
             )
         except ValueError as exc:  # the engine's checks name the field first
             field = re.match(r"[a-z_]+", str(exc))
@@ -283,7 +303,7 @@ class Endpoints:
         except EngineUnavailable as exc:
             raise unavailable(exc) from exc
         head = {"id": request_id, "created": int(time.time())}
-        head["model"] = self.served_model_names[0]
+        head["model"] = lora.lora_name if lora is not None else self.served_model_names[0]
         job = Job(
             handle=handle,
             watcher=asyncio.create_task(abort_on_disconnect(request, handle)),

@@ -62,6 +62,25 @@ class OpenAIError(Exception):
         }
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    model_config = ConfigDict(strict=True)
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused:
+    the name identifies the adapter)."""
+
+    model_config = ConfigDict(strict=True)
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 

@@ -146,7 +146,7 @@ def test_adapters_survive_preemption_and_fork(workdir: Path, mode: PreemptionMod
     # A pool of 12 blocks of 8 for 8 sequences growing to ~60 tokens: preemption is forced;
     # max_loras 1 with two adapters: the scheduler holds one adapter's requests back at a time.
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
-    engine = {
+    engine: dict[str, object] = {
         "block_size": 8,
         "num_blocks": 24,
         "max_model_len": 64,
@@ -198,6 +198,8 @@ def test_the_scheduler_keeps_a_step_within_max_loras() -> None:
     # s0 (adapter 5) and s1 (base) run; s2 needs a second slot: it and everything after it wait.
     assert [s.seq_id for s in out.seqs] == ["s0", "s1"]
     assert [s.seq_id for s in sched.waiting] == ["s2", "s3"]
+    stats = sched.stats()  # what vllm:lora_requests_info reports
+    assert (stats.running_loras, stats.waiting_loras) == ((5,), (5, 7))
     for seq in list(sched.running):
         sched.abort(seq.seq_id)
     out = sched.schedule()
