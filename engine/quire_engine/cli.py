@@ -31,6 +31,7 @@ BENCHES = {
     "kv_cache": "KV cache formats side by side: capacity, KV-limited throughput, accuracy",
     "kv_offload": "the host tier under the prefix cache, on vs off: multi-turn, shared system "
     "prompts, no hits (hit rate, TTFT, prefill computed, throughput)",
+    "lora": "LoRA adapters: a batch mixing 1, 4, 16 adapters vs the base model; adapter load time",
 }
 
 

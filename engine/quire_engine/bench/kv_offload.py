@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = args.workloads.split(",")
     out: dict[str, Any] = {"device_pool_blocks": args.num_blocks, "block_size": args.block_size}
     with tempfile.TemporaryDirectory() as tmp:
-        model = _model_path(args, Path(tmp))
+        model = preset_model_path(args, Path(tmp))
         for name in workloads:
             runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
             for _ in range(args.repeats):  # alternating, so slow drifts of the machine hit both
@@ -112,7 +112,7 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def _model_path(args: argparse.Namespace, tmp: Path) -> str:
+def preset_model_path(args: argparse.Namespace, tmp: Path) -> str:
     if args.preset is None:
         return "tiny"
     from quire_engine.bench import throughput

@@ -260,6 +260,11 @@ class LoRAModel:
         self.slot_of[lora_id] = slot
         return slot
 
+    def fill_slot(self, lora_id: int) -> int:
+        """Copy an added adapter into a step slot now (else the first step that needs it does);
+        returns the slot."""
+        return self._slot(lora_id, set())
+
     # ---- one step -------------------------------------------------------------------------
     def prepare(self, lora_ids: np.ndarray | None, counts: np.ndarray) -> None:
         """Set the coming forward's groups: ``lora_ids`` int64 [S] per sequence (None: all
