@@ -41,7 +41,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RESULTS/
 # 1. Triton kernels vs their torch references on CUDA (fp32 and bf16), write_kv, swap, bench smoke;
 #    over 8-bit KV caches (int8, fp8 e4m3/e5m2): the quantizing write bit-exact, attention within
 #    vLLM's fp8-KV tolerance, and the engine end to end with --kv-cache-dtype.
-KERNEL_TESTS=(tests/engine_tests/kernels/test_kernels.py tests/engine_tests/kernels/test_triton_kv8.py)
+#    The LoRA shrink/expand kernels against their references.
+KERNEL_TESTS=(tests/engine_tests/kernels/test_kernels.py tests/engine_tests/kernels/test_triton_kv8.py
+    tests/engine_tests/kernels/test_lora_triton.py)
 step "kernel tests (pytest -m gpu)" kernel-tests.log \
     "$PYTHON" -m pytest -m gpu "${KERNEL_TESTS[@]}" -q -rs
 

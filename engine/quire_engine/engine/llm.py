@@ -80,13 +80,16 @@ class LLM:
         beam_width: int,
         max_tokens: int,
         ignore_eos: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Beam search per prompt; ``outputs`` holds up to ``beam_width`` beams, best first by
-        cumulative log-probability. Beams share their common prefix's blocks (fork + CoW)."""
+        cumulative log-probability. Beams share their common prefix's blocks (fork + CoW).
+        ``lora_request``: every beam runs with that adapter."""
         if beam_width < 1:
             raise ValueError(f"beam_width must be >= 1; got {beam_width}")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        return self._run([(p, params, beam_width, None) for p in _as_prompt_list(prompts)])
+        work: list[Work] = [(p, params, beam_width, lora_request) for p in _as_prompt_list(prompts)]
+        return self._run(work)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (also done when the ``LLM`` is collected

@@ -4,7 +4,8 @@ batched low-rank update every targeted linear layer adds.
 Ownership: ``LoRAModel`` owns the adapters' tensors of one model: a host LRU of up to
 ``max_cpu_loras`` loaded adapters (``LoRAWeights``, read from their peft directories), the
 ``max_loras`` slots a step reads (per targeted layer, A stacked as [slots, max_rank, in] and B as
-[slots, out, max_rank], zero-padded to ``max_lora_rank``), and an instance ``forward`` on each
+[slots, out, max_rank], zero-padded to ``max_lora_rank``; on CUDA ``kernels/lora_triton`` runs
+the update as one Triton shrink and expand per layer), and an instance ``forward`` on each
 targeted ``nn.Linear`` (over whatever forward it had: the native few-row kernel's included). The
 runner calls ``prepare`` before a step's forward with each sequence's adapter id, and ``finish``
 after it.
@@ -37,6 +38,8 @@ from torch import nn
 
 from quire_engine.core.config import LoRAConfig
 from quire_engine.core.lora import BASE, LoRARequest
+from quire_engine.kernels.lora_triton import lora_expand, lora_shrink
+from quire_engine.kernels.triton_runtime import triton_usable
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -170,6 +173,9 @@ class LoRAModel:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU order
         self.slot_rank = [0] * slots
         self._groups: list[_Group] | None = None
+        # CUDA: the Triton shrink/expand pair over each token's slot (int32 [T], -1: base).
+        self.use_triton = triton_usable(device)
+        self._token_slots: torch.Tensor | None = None
         self.device = device
 
     # ---- adapters -------------------------------------------------------------------------
@@ -269,21 +275,27 @@ class LoRAModel:
     def prepare(self, lora_ids: np.ndarray | None, counts: np.ndarray) -> None:
         """Set the coming forward's groups: ``lora_ids`` int64 [S] per sequence (None: all
         base), ``counts`` int64 [S] new tokens per sequence, packed in that order."""
-        self._groups = None
+        self._groups, self._token_slots = None, None
         if lora_ids is None:
             return
         token_ids = np.repeat(lora_ids, counts)  # [T]
         wanted = sorted({int(i) for i in lora_ids} - {BASE})
         keep = set(wanted)
         groups = []
+        token_slots = np.full(token_ids.shape, -1, dtype=np.int32)
         for lora_id in wanted:
             slot = self._slot(lora_id, keep)
-            rows = torch.from_numpy(np.flatnonzero(token_ids == lora_id)).to(self.device)
-            groups.append(_Group(slot, self.slot_rank[slot], rows))
+            rows = np.flatnonzero(token_ids == lora_id)
+            token_slots[rows] = slot
+            groups.append(
+                _Group(slot, self.slot_rank[slot], torch.from_numpy(rows).to(self.device))
+            )
         self._groups = groups
+        if self.use_triton:
+            self._token_slots = torch.from_numpy(token_slots).to(self.device, non_blocking=True)
 
     def finish(self) -> None:
-        self._groups = None
+        self._groups, self._token_slots = None, None
 
     def _wrap(
         self, name: str, forward: Callable[[torch.Tensor], torch.Tensor]
@@ -294,6 +306,11 @@ class LoRAModel:
             y = forward(x)  # [..., T, out]
             groups = self._groups
             if not groups:
+                return y
+            slots = self._token_slots
+            if slots is not None:  # CUDA: every adapter of the step in one shrink and expand
+                flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+                lora_expand(flat_y, lora_shrink(flat_x, a_slots, slots), b_slots, slots)
                 return y
             dim = x.dim() - 2  # the token axis of [1, T, in] (or [T, in])
             for g in groups:

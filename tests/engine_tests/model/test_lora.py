@@ -26,6 +26,7 @@ from quire_engine.core.config import CacheConfig, PreemptionMode, SchedulerConfi
 from quire_engine.core.lora import AdapterSlots, LoRARequest, hash_extra
 from quire_engine.core.scheduler import Scheduler
 from quire_engine.core.sequence import Sequence
+from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.models import build, greedy_reference
 from tests.engine_tests.ties import TIE_MARGIN
 
@@ -60,6 +61,7 @@ def make_adapter(
     model.save_pretrained(out / name)
     merged = model.merge_and_unload()
     merged.save_pretrained(out / f"{name}-merged")
+    build_tokenizer().save_pretrained(out / f"{name}-merged")  # servable by the engine too
     return LoRARequest(name, lora_id, str(out / name)), out / f"{name}-merged"
 
 
@@ -140,6 +142,23 @@ def test_a_mixed_batch_matches_each_adapters_merged_model(workdir: Path, arch: s
     assert tokens[1] != tokens[0] and tokens[2] != tokens[0]
 
 
+@pytest.mark.gpu
+def test_a_mixed_batch_on_cuda_runs_the_triton_kernels(workdir: Path) -> None:
+    base, ((a, a_ref), (b, b_ref)) = family_setup(workdir, "llama")
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    loras = [None, a, b] * len(PROMPTS)
+    refs = [str(r) for _ in PROMPTS for r in (base, a_ref, b_ref)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = {"device": "cuda", "dtype": "float32", "enable_lora": True, "max_loras": 2}
+    with LLM(str(base), max_lora_rank=8, **engine) as llm:
+        lora = llm.engine.runner.lora
+        assert lora is not None and lora.use_triton
+        outs = llm.generate(prompts, params, lora_request=loras)
+    order = [k * 3 + j for j in range(3) for k in range(len(PROMPTS))]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    check_against([tokens[i] for i in order], [refs[i] for i in order], "cuda mixed batch")
+
+
 @pytest.mark.parametrize("mode", list(PreemptionMode))
 def test_adapters_survive_preemption_and_fork(workdir: Path, mode: PreemptionMode) -> None:
     base, ((a, a_ref), (b, b_ref)) = family_setup(workdir, "llama")
@@ -166,6 +185,28 @@ def test_adapters_survive_preemption_and_fork(workdir: Path, mode: PreemptionMod
             expected, margins = reference(str(ref))[prompt_index]
             n = tie_free_prefix(margins)
             assert list(sample.token_ids)[:n] == expected[:n]
+
+
+def test_beams_of_an_adapter_are_the_merged_models_beams(workdir: Path) -> None:
+    # The oracle is the engine's own beam search on peft's merged checkpoint: the same algorithm,
+    # so only the adapter path differs. Beams are compared as a set, and in order only where the
+    # reference's cumulative log-probabilities are apart by more than a near-tie.
+    base, ((a, a_ref), _) = family_setup(workdir, "llama")
+    prompt = PROMPTS[3]
+    with LLM(str(a_ref), dtype="float32") as llm:
+        (ref,) = llm.beam_search([prompt], beam_width=3, max_tokens=6)
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        (out,) = llm.beam_search([prompt], beam_width=3, max_tokens=6, lora_request=a)
+        (plain,) = llm.beam_search([prompt], beam_width=3, max_tokens=6)
+    beams = [list(b.token_ids) for b in out.outputs]
+    expected = [list(b.token_ids) for b in ref.outputs]
+    assert sorted(beams) == sorted(expected)
+    scores = [b.cumulative_logprob for b in ref.outputs]
+    assert all(s is not None for s in scores)
+    for k in range(len(scores) - 1):
+        if scores[k] - scores[k + 1] > TIE_MARGIN:  # type: ignore[operator]
+            assert beams[k] == expected[k], k
+    assert beams != [list(b.token_ids) for b in plain.outputs]  # the adapter mattered
 
 
 def test_the_prefix_cache_never_shares_blocks_across_adapters(workdir: Path) -> None:
