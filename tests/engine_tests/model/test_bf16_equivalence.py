@@ -70,12 +70,21 @@ SMOLLM2_TOL = Tolerance(0.5, 0.07)
 MIN_DECIDED = 0.1
 
 
+class Decision(NamedTuple):
+    """One decode step: the reference's top-1 token, its lead over top-2 (nats), the engine's
+    token."""
+
+    reference: int
+    lead: float
+    engine: int
+
+
 class Comparison(NamedTuple):
-    """Every position's |engine - reference| log-probability of the sequence's token, and per
-    decode step the reference's top-1 token, its lead over top-2 and the engine's token."""
+    """Every position's |engine - reference| log-probability of the sequence's token, and every
+    decode step's decision."""
 
     diffs: list[float]
-    decisions: list[tuple[int, float, int]]
+    decisions: list[Decision]
 
 
 @functools.cache
@@ -125,7 +134,7 @@ def compare(model_dir: str, results: list[RequestOutput]) -> Comparison:
     """The engine's outputs against transformers' bf16 forward over the same sequences."""
     model = _reference_model(model_dir)
     diffs: list[float] = []
-    decisions: list[tuple[int, float, int]] = []
+    decisions: list[Decision] = []
     for prompt, result in zip(_prompts(model_dir), results, strict=True):
         out = result.outputs[0]
         assert result.prompt_logprobs is not None and out.logprobs is not None
@@ -143,7 +152,7 @@ def compare(model_dir: str, results: list[RequestOutput]) -> Comparison:
             diffs.append(abs(top[token] - float(row[token])))
             best = torch.topk(row, 2)
             lead = float(best.values[0] - best.values[1])
-            decisions.append((int(best.indices[0]), lead, token))
+            decisions.append(Decision(int(best.indices[0]), lead, token))
     return Comparison(diffs, decisions)
 
 
@@ -152,12 +161,10 @@ def check(comparison: Comparison, tol: Tolerance, what: str) -> None:
     mean = sum(comparison.diffs) / len(comparison.diffs)
     assert worst <= tol.per_position, f"{what}: a log-probability {worst:.3f} nats off"
     assert mean <= tol.mean, f"{what}: log-probabilities {mean:.4f} nats off on average"
-    decided = [
-        (ref, token) for ref, lead, token in comparison.decisions if lead > 2 * tol.per_position
-    ]
+    decided = [d for d in comparison.decisions if d.lead > 2 * tol.per_position]
     assert len(decided) >= MIN_DECIDED * len(comparison.decisions), f"{what}: too few wide leads"
-    for i, (ref, token) in enumerate(decided):
-        assert token == ref, f"{what}: decided step {i} chose {token}, the reference {ref}"
+    for i, d in enumerate(decided):
+        assert d.engine == d.reference, f"{what}: decided step {i}: {d}"
 
 
 @pytest.mark.parametrize("kv", POOLS, ids=lambda kv: kv.value)
