@@ -56,10 +56,10 @@ def paged_decode(lib: native.Library) -> None:
     k = torch.randn(num_blocks, block_size, kv_heads, head_dim)
     v = torch.randn(num_blocks, block_size, kv_heads, head_dim)
     rows, lens_a = np.arange(len(lens), dtype=np.int64), np.array(lens, dtype=np.int64)
-    # 8-bit pools, each a copy of its own size; 6 query heads per pass take the per-head path,
-    # 16 (runs of 8) the grouped one.
+    # float32, bf16 and 8-bit pools, each a copy of its own size; 6 query heads per pass take the
+    # per-head path, 16 (runs of 8) the grouped one.
     pools: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
-    pools = [(k, v, None, None)]
+    pools = [(k, v, None, None), (k.bfloat16(), v.bfloat16(), None, None)]  # float32, bf16
     for dtype in KV8:
         (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
         pools.append((kq.clone(), vq.clone(), ks.clone(), vs.clone()))

@@ -13,6 +13,9 @@ budget is ``--budget-seqs`` contiguous ``max_model_len`` sequences, in tokens:
 * HF continuous: transformers' continuous-batching manager with its paged cache held to the same
   number of tokens, per-request ``max_new_tokens``.
 
+``--dtypes float32,bfloat16`` runs all of it once per dtype on the same weights (cast) and
+requests and reports each system's bf16-over-fp32 speed ratio (``dtype_ratios``).
+
 Throughput = requested output tokens / wall time, and per CPU second of the process (the
 ``_per_cpu_s`` keys: every system runs one torch thread, so this is robust to other processes'
 load on a shared machine). On CPU the ``floor`` section (``bench.roofline``) puts Quire's steps
@@ -98,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="float32 on CPU, bfloat16 on CUDA")
     parser.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated dtypes (e.g. float32,bfloat16): run the systems at each, on the "
+        "same weights and requests, and report each later dtype's speed over the first's "
+        "(overrides --dtype)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -181,6 +191,33 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _apply_preset(args)
+    if args.dtypes is not None:
+        return _by_dtype(args)
+    return _run_one(args)
+
+
+def _by_dtype(args: argparse.Namespace) -> dict[str, Any]:
+    """``--dtypes``: one run per dtype (every one seeds torch alike, so the same weights, cast,
+    and the same requests), under ``by_dtype``; ``dtype_ratios`` has each system's speed at each
+    later dtype over the first (``quire_bfloat16_vs_float32``: wall time ratio, the same tokens;
+    ``..._per_cpu_s``: process CPU time ratio)."""
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if len(dtypes) < 1 or len(set(dtypes)) != len(dtypes):
+        raise ValueError(f"--dtypes needs distinct dtypes, got {args.dtypes!r}")
+    runs = {d: _run_one(argparse.Namespace(**{**vars(args), "dtype": d})) for d in dtypes}
+    base, first = dtypes[0], runs[dtypes[0]]
+    ratios: dict[str, float] = {}
+    for other in dtypes[1:]:
+        for system in args.systems.split(","):
+            wall, cpu = f"{system}_tok_s", f"{system}_tok_per_cpu_s"
+            if wall in first and wall in runs[other]:
+                key = f"{system}_{other}_vs_{base}"
+                ratios[key] = round(runs[other][wall] / first[wall], 2)
+                ratios[f"{key}_per_cpu_s"] = round(runs[other][cpu] / first[cpu], 2)
+    return {"dtypes": dtypes, "dtype_ratios": ratios, "by_dtype": runs}
+
+
+def _run_one(args: argparse.Namespace) -> dict[str, Any]:
     lengths, prompts = workload(args)
     budget = args.budget_seqs * args.max_model_len
     device = torch.device(args.device)

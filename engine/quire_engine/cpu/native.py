@@ -90,8 +90,13 @@ ENV_VARS = ("QUIRE_KERNEL_CACHE", "QUIRE_NATIVE_KERNELS")
 _BASE_FLAGS = ("-O3", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-# Pool element dtype -> enum quire_kv_kind (csrc/quire_native.h).
+# Pool element dtype -> enum quire_kv_kind (csrc/quire_native.h): every kernel's kinds, and
+# those of the paged decode kernel alone, which also reads a bf16 model's bfloat16 pool (the
+# whole-step decoder and the quantizer take fp32 activations only).
 KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+PAGED_KV_KINDS = {**KV_KINDS, torch.bfloat16: 4}
+# The pool dtypes with no scales beside them.
+UNSCALED_KV = (torch.float32, torch.bfloat16)
 
 
 def enabled() -> bool:
@@ -180,7 +185,7 @@ class PagedDecode:
     def __call__(
         self,
         q: torch.Tensor,  # [T, heads, D] fp32, D contiguous
-        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D] fp32 or 8-bit, contiguous
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D] fp32/bf16/8-bit, contiguous
         v_cache: torch.Tensor,
         rows: np.ndarray,  # int64 [n]
         tables: np.ndarray,  # int32 [n, W], C-contiguous
@@ -205,10 +210,11 @@ class PagedDecode:
         n = len(rows)
         _, heads, head_dim = q.shape
         _, block_size, kv_heads, kv_dim = k_cache.shape
-        kind = KV_KINDS.get(k_cache.dtype)
+        kind = PAGED_KV_KINDS.get(k_cache.dtype)
         if q.dtype != torch.float32 or kind is None:
             raise ValueError(
-                f"native decode needs fp32 q and fp32 or 8-bit K/V, got {q.dtype}/{k_cache.dtype}"
+                f"native decode needs fp32 q and fp32, bf16 or 8-bit K/V, got "
+                f"{q.dtype}/{k_cache.dtype}"
             )
         if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError("native decode: K and V pools differ in shape or dtype")
@@ -238,11 +244,11 @@ class PagedDecode:
 def _check_scales(
     cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, what: str
 ) -> tuple[int | None, int | None]:
-    """The scale pools' addresses for ``cache``'s dtype: (None, None) for float32; for an 8-bit
-    pool both must be contiguous fp32 CPU ``[num_blocks, block_size, kv_heads]``."""
-    if cache.dtype == torch.float32:
+    """The scale pools' addresses for ``cache``'s dtype: (None, None) for float32 and bfloat16;
+    for an 8-bit pool both must be contiguous fp32 CPU ``[num_blocks, block_size, kv_heads]``."""
+    if cache.dtype in UNSCALED_KV:
         if k_scale is not None or v_scale is not None:
-            raise ValueError(f"{what}: scales belong to 8-bit pools, not float32 ones")
+            raise ValueError(f"{what}: scales belong to 8-bit pools, not {cache.dtype} ones")
         return None, None
     if k_scale is None or v_scale is None:
         raise ValueError(f"{what}: an 8-bit {cache.dtype} pool needs its k_scale and v_scale")

@@ -10,9 +10,10 @@ host arrays; ``write_kv`` and ``attend`` then cost the tensor work and a few cal
 Semantics are the reference's (``finite_cache=True``: the runner zero-initialises its pools and
 writes only model K/V into them):
 
-* decode sequences (one query token): with the native kernel (``native.paged_decode``, fp32
-  queries over fp32 or 8-bit pools), one C call per layer that reads every sequence's blocks
-  in place (an 8-bit pool's bytes and scales, widened in registers); otherwise longest first, in
+* decode sequences (one query token): with the native kernel (``native.paged_decode``: fp32
+  queries, a bf16 model's widened, over fp32, bf16 or 8-bit pools), one C call per layer that
+  reads every sequence's blocks in place (a bf16 pool's elements, an 8-bit pool's bytes and
+  scales, widened in registers); otherwise longest first, in
   chunks whose gathered K stays near ``_DECODE_CHUNK_BYTES`` and whose contexts are at least
   half the chunk's padded length, one SDPA call per chunk over the gathered
   ``[n, padded, kv_heads, D]`` context, masked by length, with the query heads of each KV head
@@ -114,8 +115,8 @@ class CpuAttentionPlan:
         native: PagedDecode | None = None,
         num_threads: int = 1,
     ) -> CpuAttentionPlan:
-        """``native``: run decode rows through the native kernel (the runner passes it only
-        for an fp32 model, whose pools are fp32 or 8-bit) on up to ``num_threads`` threads."""
+        """``native``: run decode rows through the native kernel (the runner passes it when
+        the pool is one it reads: fp32, bf16 or 8-bit) on up to ``num_threads`` threads."""
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
         q_lens = [b - a for a, b in itertools.pairwise(starts)]
@@ -200,11 +201,18 @@ class CpuAttentionPlan:
         if (nd := self.native) is not None and len(nd.rows):
             if nd.max_block >= k_cache.shape[0]:
                 raise ValueError(f"block {nd.max_block} is outside a pool of {k_cache.shape[0]}")
-            qn = q if q.stride(2) == 1 else q.contiguous()
+            # The kernel takes and gives fp32 (a bf16 model's queries widen exactly, its
+            # outputs round once, as SDPA's do on the torch path).
+            wide = q.dtype != torch.float32
+            qn = q.float() if wide else q if q.stride(2) == 1 else q.contiguous()
+            on = torch.empty(qn.shape, dtype=torch.float32) if wide else out
             nd.kernel(
-                qn, k_cache, v_cache, nd.rows, nd.tables, nd.lens, scale, out, nd.num_threads,
+                qn, k_cache, v_cache, nd.rows, nd.tables, nd.lens, scale, on, nd.num_threads,
                 sliding_window, softcap, k_scale, v_scale,
             )  # fmt: skip
+            if wide:
+                rows = torch.from_numpy(nd.rows)
+                out.index_copy_(0, rows, on.index_select(0, rows).to(q.dtype))
         for c in self.decode:
             k = _gather(k_cache, k_scale, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)
             v = _gather(v_cache, v_scale, c.blocks).view(c.num_seqs, c.padded, kv_heads, -1)

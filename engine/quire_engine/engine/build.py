@@ -24,6 +24,7 @@ import torch
 from quire_engine.core.config import EngineConfig
 from quire_engine.core.request_table import RequestTable
 from quire_engine.core.scheduler import Scheduler
+from quire_engine.cpu import bf16 as bf16_cpu
 from quire_engine.engine.startup import StartupPhase, StartupTimes
 from quire_engine.model import loader as model_loader
 from quire_engine.model.cache_plan import plan_cache
@@ -68,6 +69,7 @@ def build(config: EngineConfig, startup: StartupTimes) -> EngineParts:
     """Every part of an engine for ``config``; ``startup`` records the phases."""
     device = model_loader.resolve_device(config.model.device)
     dtype = model_loader.resolve_dtype(config.model.dtype, device)
+    bf16_cpu.log_support(device, dtype)
     parallel = WorkerGroup(config) if config.parallel.tensor_parallel_size > 1 else None
     try:
         return _load(config, startup, device, dtype, parallel)

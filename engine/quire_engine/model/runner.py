@@ -96,12 +96,13 @@ class ModelRunner:
         self.shape = shape
         self.device = device
         self.use_triton = triton_usable(device)
-        # CPU decode attention through the native kernel when it builds (an fp32 model, its
-        # pools fp32 or 8-bit; it logs why not otherwise): it reads blocks in place instead of
-        # gathering them.
+        # CPU decode attention through the native kernel when it builds (pools of fp32, bf16 or
+        # 8 bits; it logs why not otherwise): it reads blocks in place instead of gathering them.
         self.native_decode = (
             native.paged_decode()
-            if device.type == "cpu" and not self.use_triton and shape.dtype == torch.float32
+            if device.type == "cpu"
+            and not self.use_triton
+            and shape.storage_dtype in native.PAGED_KV_KINDS
             else None
         )
         # Matmuls of a few rows (small-batch decode) through the native kernel on CPU: the BLAS

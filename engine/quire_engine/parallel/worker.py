@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from quire_engine.core.config import EngineConfig
+from quire_engine.cpu import bf16 as bf16_cpu
 from quire_engine.model import loader
 from quire_engine.model.cache_plan import plan_cache
 from quire_engine.model.collectives import Collectives, new_group
@@ -69,6 +70,7 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
         conn = rendezvous.connect_plans(store, spec.host, spec.rank, spec.timeout)
     model = config.model
     dtype = loader.resolve_dtype(model.dtype, device)
+    bf16_cpu.log_support(device, dtype)  # this node's CPU, which may not be rank 0's
     loaded = loader.load(
         model.model,
         device,

@@ -72,3 +72,23 @@ def test_throughput_bench_tensor_parallel(capsys: object) -> None:
     assert tp["size"] == 2 and tp["steps"] > 0 and tp["tok_s"] > 0
     for key in ("speedup_vs_tp1", "collective_share", "plan_send_share", "plan_send_us_per_step"):
         assert tp[key] > 0, key
+
+
+def test_throughput_bench_dtypes(capsys: object) -> None:
+    """``--dtypes float32,bfloat16``: both runs on the same requests, each system's ratio."""
+    args = [
+        "bench", "throughput", "--json", "--systems", "quire,hf_static",
+        "--dtypes", "float32,bfloat16", "--num-requests", "4", "--mean-prompt", "24",
+        "--mean-output", "4", "--max-model-len", "64", "--budget-seqs", "2", "--hidden-size",
+        "64", "--layers", "1", "--vocab-size", "300",
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[attr-defined]
+    assert out["dtypes"] == ["float32", "bfloat16"]
+    fp32, bf16 = out["by_dtype"]["float32"], out["by_dtype"]["bfloat16"]
+    assert fp32["dtype"] == "float32" and bf16["dtype"] == "bfloat16"
+    assert fp32["output_tokens"] == bf16["output_tokens"]
+    assert fp32["model_params"] == bf16["model_params"]
+    for key in ("quire_bfloat16_vs_float32", "hf_static_bfloat16_vs_float32"):
+        assert out["dtype_ratios"][key] > 0, key
+        assert out["dtype_ratios"][f"{key}_per_cpu_s"] > 0, key

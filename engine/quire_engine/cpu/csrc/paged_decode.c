@@ -1,6 +1,7 @@
 /* Paged decode attention on CPU: one query token per sequence, read against that sequence's K/V
- * blocks where they lie in the pool, float32 or 8-bit. No gather, no padding, no mask, and no
- * dequantized copy of an 8-bit cache: its bytes are widened to floats in registers.
+ * blocks where they lie in the pool, float32, bfloat16 or 8-bit. No gather, no padding, no mask,
+ * and no widened copy of a bfloat16 or 8-bit cache: its elements become floats in registers
+ * (a bfloat16 one exactly, by a shift), and every sum is in float32.
  *
  * Contract. Loaded by quire_engine/cpu/native.py (PagedDecode) and called by CpuAttentionPlan
  * for the decode rows of a step, once per layer, and by decoder_decode.c. The semantics are those
@@ -15,9 +16,9 @@
  * Layouts (fp32 unless stated):
  *   q        [T, heads, D], row stride q_tok, head stride q_head (in floats), D contiguous
  *   k, v     [num_blocks, block_size, kv_heads, D] contiguous (the runner's pools), of `kind`
- *            (enum quire_kv_kind: float32, int8, float8_e4m3fn, float8_e5m2)
+ *            (enum quire_kv_kind: float32, int8, float8_e4m3fn, float8_e5m2, bfloat16)
  *   k_scale, v_scale  8-bit kinds only: [num_blocks, block_size, kv_heads] contiguous, one per
- *            token and KV head (NULL for float32)
+ *            token and KV head (NULL for float32 and bfloat16)
  *   rows     int64 [n]: the query/output row of each sequence, each < T
  *   tables   int32 [n, table_stride]: block ids, the first ceil(len / block_size) used
  *   lens     int64 [n]: context length including the step's token, 1 .. table_stride * block_size
@@ -87,16 +88,51 @@ static inline struct span block_span(const char *pool, const int32_t *table, int
     return sp;
 }
 
-/* LANES elements of a pool of `kind` at p as floats: float32 as they are, 8-bit ones widened
- * in registers (kv_quant.h: exact; e4m3 / KV_E4M3_UNIT); and one element, for row tails. */
+/* The kinds' storage: bytes per element, and whether rows carry scales (the 8-bit kinds do;
+ * float32 and bfloat16 hold their values as they are). */
+static inline __attribute__((always_inline)) int kv_scaled(const int kind)
+{
+    return kind == QUIRE_KV_INT8 || kind == QUIRE_KV_E4M3 || kind == QUIRE_KV_E5M2;
+}
+
+static inline __attribute__((always_inline)) int64_t kv_esize(const int kind)
+{
+    return kind == QUIRE_KV_F32 ? (int64_t)sizeof(float) : kind == QUIRE_KV_BF16 ? 2 : 1;
+}
+
+/* LANES bfloat16 elements at p as floats: a bfloat16 is a float's high half, so each widens
+ * exactly by a zero-extension and a shift (vpmovzxwd, vpslld). */
+typedef uint16_t u16vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+static inline __attribute__((always_inline)) vec bf16_load(const void *p)
+{
+    u16vec h;
+    memcpy(&h, p, sizeof h); /* unaligned load */
+    const uvec bits = __builtin_convertvector(h, uvec) << 16;
+    vec f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* LANES elements of a pool of `kind` at p as floats: float32 as they are, bfloat16 and 8-bit
+ * ones widened in registers (kv_quant.h: exact; e4m3 / KV_E4M3_UNIT); and one element, for row tails. */
 static inline __attribute__((always_inline)) vec elem_load(const int kind, const void *p)
 {
+    if (kind == QUIRE_KV_BF16)
+        return bf16_load(p);
     return kind == QUIRE_KV_F32 ? vec_load(p) : kv8_load(kind, p);
 }
 
 static inline __attribute__((always_inline)) float elem_scalar(const int kind, const void *p)
 {
     float f;
+    if (kind == QUIRE_KV_BF16) {
+        uint16_t h;
+        memcpy(&h, p, sizeof h);
+        const uint32_t bits = (uint32_t)h << 16;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
     if (kind != QUIRE_KV_F32)
         return kv8_scalar(kind, p);
     memcpy(&f, p, sizeof f);
@@ -119,7 +155,7 @@ static inline __attribute__((always_inline)) void head_dots(const int kind, cons
                                                             const int64_t *kv_off,
                                                             const int count, float *dot)
 {
-    const int64_t esize = kind == QUIRE_KV_F32 ? (int64_t)sizeof(float) : 1;
+    const int64_t esize = kv_esize(kind);
     const int64_t d_vec = head_dim - head_dim % LANES;
     const char *kh[DOTS];
     vec acc[DOTS];
@@ -162,11 +198,11 @@ static inline __attribute__((always_inline)) void accumulate_v(
     int64_t token_stride, int64_t lo, int64_t hi, int64_t head_dim, int64_t p_head, const int nh)
 {
     const int64_t d_vec = head_dim - head_dim % LANES;
-    const int64_t esize = kind == QUIRE_KV_F32 ? (int64_t)sizeof(float) : 1;
+    const int64_t esize = kv_esize(kind);
     const char *vb = vg;
 #define V_AT(j, e) (vb + ((j) * token_stride + (e)) * esize) /* element e of row j */
 #define V_LOAD(j, e) elem_load(kind, V_AT(j, e))
-#define WEIGHT(ph, j) (kind == QUIRE_KV_F32 ? (ph)[j] : (ph)[j] * vs[(j) * kv_heads])
+#define WEIGHT(ph, j) (!kv_scaled(kind) ? (ph)[j] : (ph)[j] * vs[(j) * kv_heads])
     int64_t d = 0;
     for (; d + 4 * LANES <= d_vec; d += 4 * LANES) {
         vec acc[4][4];
@@ -244,7 +280,7 @@ static inline __attribute__((always_inline)) void decode_one(
     int64_t head_dim, float scale, float softcap, float *out, float *scores, float *m, float *l)
 {
     const int64_t token_stride = kv_heads * head_dim; /* elements between two tokens of a block */
-    const int64_t token_bytes = token_stride * (kind == QUIRE_KV_F32 ? (int64_t)sizeof(float) : 1);
+    const int64_t token_bytes = token_stride * kv_esize(kind);
     const int64_t *kv_off = pl->kv_off;
     const float unit = kv8_unit(kind);
     /* With a soft-cap the scores are c * tanh(scale * q.k / c) (transformers' order). */
@@ -261,7 +297,7 @@ static inline __attribute__((always_inline)) void decode_one(
         const int64_t lo = ks.lo, hi = ks.hi, count = hi - lo;
         /* 8-bit: the block's scales, [block_size, kv_heads] each. */
         const float *kscales = NULL, *vscales = NULL;
-        if (kind != QUIRE_KV_F32) {
+        if (kv_scaled(kind)) {
             kscales = pl->k_scale + ks.index * block_size * kv_heads;
             vscales = pl->v_scale + ks.index * block_size * kv_heads;
             prefetch_bytes(vscales, (int64_t)sizeof(float) * block_size * kv_heads);
@@ -292,7 +328,7 @@ static inline __attribute__((always_inline)) void decode_one(
                     for (int64_t t = 0; t < n; t++)
                         head_dots(kind, -1, qh + t * q_head, q_head, kt, head_dim,
                                   kv_off + h0 + t, 1, dot + t);
-                if (kind == QUIRE_KV_F32) {
+                if (!kv_scaled(kind)) {
                     for (int64_t t = 0; t < n; t++)
                         scores[(h0 + t) * block_size + j - lo] = dot[t] * pre;
                 } else {
@@ -339,10 +375,10 @@ static inline __attribute__((always_inline)) void decode_one(
             while (run < (kind == QUIRE_KV_F32 ? 2 : V_HEADS) && hq + run < heads &&
                    kv_off[hq + run] == kv_off[hq])
                 run++;
-            const int64_t at = kv_off[hq] * (kind == QUIRE_KV_F32 ? (int64_t)sizeof(float) : 1);
+            const int64_t at = kv_off[hq] * kv_esize(kind);
             float *o = out + hq * head_dim;
             const float *p = scores + hq * block_size - lo;
-            const float *vs = kind == QUIRE_KV_F32 ? NULL : vscales + pl->kv_head[hq];
+            const float *vs = kv_scaled(kind) ? vscales + pl->kv_head[hq] : NULL;
             /* nh a constant in each call, so the accumulators stay in registers */
             if (run >= 4)
                 accumulate_v(kind, o, p, vblock + at, vs, kv_heads, token_stride, lo, hi, head_dim,
@@ -378,6 +414,7 @@ DECODE_FOR(decode_f32, QUIRE_KV_F32)
 DECODE_FOR(decode_int8, QUIRE_KV_INT8)
 DECODE_FOR(decode_e4m3, QUIRE_KV_E4M3)
 DECODE_FOR(decode_e5m2, QUIRE_KV_E5M2)
+DECODE_FOR(decode_bf16, QUIRE_KV_BF16)
 #undef DECODE_FOR
 
 int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
@@ -395,6 +432,7 @@ int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const void
         : kind == QUIRE_KV_INT8 ? decode_int8
         : kind == QUIRE_KV_E4M3 ? decode_e4m3
         : kind == QUIRE_KV_E5M2 ? decode_e5m2
+        : kind == QUIRE_KV_BF16 ? decode_bf16
                                 : NULL;
     if (decode == NULL)
         return 2;

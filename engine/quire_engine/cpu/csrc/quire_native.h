@@ -21,10 +21,11 @@ enum quire_kv_kind {
     QUIRE_KV_INT8 = 1, /* int8 */
     QUIRE_KV_E4M3 = 2, /* float8_e4m3fn */
     QUIRE_KV_E5M2 = 3, /* float8_e5m2 */
+    QUIRE_KV_BF16 = 4, /* bfloat16, no scales (a bf16 model's pool; paged decode only) */
 };
 
 /* csrc/paged_decode.c: k, v are pools of `kind` elements; k_scale, v_scale their scales (NULL
- * for QUIRE_KV_F32). Returns 0, 1 when scratch could not be allocated, 2 for an unknown kind. */
+ * for QUIRE_KV_F32 and QUIRE_KV_BF16). Returns 0, 1 when scratch could not be allocated, 2 for an unknown kind. */
 int quire_paged_decode(const float *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
                        const float *k_scale, const float *v_scale, int64_t kind,
                        const int64_t *rows, const int32_t *tables, int64_t table_stride,
