@@ -12,6 +12,8 @@ must equal the torch path's plan to one bf16 rounding.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -99,7 +101,7 @@ def test_plan_with_bf16_queries_equals_the_torch_plan(kernel: native.PagedDecode
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(4))
     q = q.bfloat16()
     n = len(lens)
-    inputs = {
+    inputs: dict[str, Any] = {
         "slots": np.zeros(n, dtype=np.int64),  # unused: no K/V written here
         "block_tables": tables,
         "seq_lens": np.array(lens, dtype=np.int64),
