@@ -188,6 +188,8 @@ class EngineThread:
                 _warm_up(engine)
             tokenizer = copy.deepcopy(engine.tokenizer)
             lora = engine.runner.lora
+            if lora is not None:
+                lora.autoload = False  # adapters come loaded, through AdapterCommand
             self.info = ModelInfo(
                 engine.model_name,
                 engine.max_model_len,

@@ -177,6 +177,10 @@ class LoRAModel:
         self.use_triton = triton_usable(device)
         self._token_slots: torch.Tensor | None = None
         self.device = device
+        # Whether ``add`` loads an adapter it has never seen (the offline API). A server sets it
+        # off: adapters arrive through ``insert`` (read off the step loop) and a request may
+        # name only those, never one unloaded a moment ago.
+        self.autoload = True
 
     # ---- adapters -------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> LoRAWeights:
@@ -188,6 +192,8 @@ class LoRAModel:
                 f"lora_int_id {request.lora_int_id} is {known.lora_name!r} "
                 f"({known.lora_path}); {request.lora_name!r} needs another id"
             )
+        if known is None and not self.autoload:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded")
         weights = self.loaded.get(request.lora_int_id)
         if weights is None:
             weights = self.insert(self.load(request))
