@@ -14,9 +14,11 @@ while by default (libgomp: 300,000 spins) before they sleep. On cores that other
 a spinning thread holds a core the thread it waits for needs, and a decode step crosses dozens of
 barriers (one per matmul): on a 2-core machine with other work running, two threads ran 6x
 slower than one (docs/benchmarks.md, ``bench contention``). Passive waits sleep at once, and a
-woken thread costs microseconds per barrier. libgomp reads the policy once, when it is loaded
-(by ``import torch``), so ``quire_engine`` sets it on import, before torch, unless the user chose
-a policy or a spin count; ``WaitPolicy`` records which happened, for the start-up log line.
+woken thread costs microseconds per barrier: on cores nobody else uses that cost two threads
+about a fifth of their rate, which a dedicated node can buy back with ``GOMP_SPINCOUNT``.
+libgomp reads the policy once, when it is loaded (by ``import torch``), so ``quire_engine`` sets
+it on import, before torch, unless the user chose a policy or a spin count; ``WaitPolicy``
+records which happened, for the start-up log line.
 
 Pure Python (no torch): the engine (``engine.build``) applies the count with
 ``torch.set_num_threads``, which the native kernels follow too (they run on torch's OpenMP).
@@ -147,9 +149,10 @@ def cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> CpuQ
 
 def _ancestry(base: Path, relative: str) -> list[Path]:
     """``base / relative`` and its parents up to ``base``, those that exist; just ``base`` when
-    the process's path is not below it (a container sees its own cgroup at the mount)."""
+    the process's path is not below it (a container sees its own cgroup at the mount; a path
+    outside the cgroup namespace starts with ``/..``)."""
     leaf = base / relative.strip("/")
-    if not leaf.is_dir():
+    if ".." in Path(relative).parts or not leaf.is_dir():
         return [base]
     found = [leaf]
     while found[-1] != base:

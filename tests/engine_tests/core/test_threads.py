@@ -74,6 +74,14 @@ def test_v2_path_not_below_the_mount_reads_the_mount(tmp_path: Path) -> None:
     assert got == CpuQuota(100000, 100000, CgroupVersion.V2)
 
 
+def test_v2_path_outside_the_namespace_reads_the_mount(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    _v2(root, "200000 100000")
+    (root / "sub").mkdir()
+    got = cpu_quota(root, _self(tmp_path, "0::/../sub\n"))
+    assert got == CpuQuota(200000, 100000, CgroupVersion.V2)
+
+
 @pytest.mark.parametrize("text", ["", "garbage\n", "100000\n", "x 100000\n", "0 100000\n"])
 def test_v2_unreadable_cpu_max_is_no_quota(tmp_path: Path, text: str) -> None:
     root = tmp_path / "cg"
