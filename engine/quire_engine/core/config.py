@@ -212,8 +212,8 @@ class ParallelConfig:
     threads: int | None = knob(
         None,
         "CPU threads of torch and the native kernels, all ranks of this node together (default: "
-        "the cgroup CPU quota rounded down, at least 1, at most the CPUs this process may run "
-        "on; without a quota, those CPUs)",
+        "OMP_NUM_THREADS when set, else the cgroup CPU quota rounded down, at least 1, at most "
+        "the CPUs this process may run on; without a quota, those CPUs)",
         min=1,
         metavar="N",
     )
