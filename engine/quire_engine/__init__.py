@@ -10,8 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from quire_engine.core.threads import set_up_waits
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams"]
+
+# First, before any module here imports torch: libgomp reads its wait policy once, when torch
+# loads it, and spinning waits make extra threads slower than one on shared cores
+# (core.threads). The engine logs what this found at start.
+set_up_waits()
 
 if TYPE_CHECKING:
     from quire_engine.core.sampling_params import SamplingParams

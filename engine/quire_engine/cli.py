@@ -29,6 +29,8 @@ BENCHES = {
     "load": "loading a safetensors checkpoint, by loader: seconds and peak resident memory",
     "startup": "cold start of serve by phase (tiny and 32m): weights, KV pool, warm-up, ready",
     "kv_cache": "KV cache formats side by side: capacity, KV-limited throughput, accuracy",
+    "contention": "1 vs N threads beside busy neighbour processes, OpenMP's spinning waits vs "
+    "Quire's passive ones (tok/s ratios)",
     "kv_offload": "the host tier under the prefix cache, on vs off: multi-turn, shared system "
     "prompts, no hits (hit rate, TTFT, prefill computed, throughput)",
     "lora": "LoRA adapters: a batch mixing 1, 4, 16 adapters vs the base model; adapter load time",

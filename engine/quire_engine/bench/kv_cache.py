@@ -116,6 +116,7 @@ def _llm(
         max_model_len=args.max_model_len,
         max_num_seqs=256,
         max_num_batched_tokens=2048,
+        threads=args.threads,
     ) as built:
         yield built
 

@@ -138,6 +138,7 @@ def _llm(model: str, args: argparse.Namespace, tier: bool) -> LLM:
         "max_model_len": min(args.num_blocks * args.block_size, 2048),
         "max_num_seqs": args.concurrency,
         "seed": args.seed,
+        "threads": 1,
     }
     llm = LLM(model, **engine)
     if not tier:

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _engine(model: str, k: int, args: argparse.Namespace) -> LLM:
     lora = {"enable_lora": True, "max_loras": k, "max_lora_rank": args.rank} if k else {}
-    return LLM(model, device="cpu", dtype="float32", max_num_seqs=args.requests, **lora)
+    engine = {"device": "cpu", "dtype": "float32", "max_num_seqs": args.requests}
+    return LLM(model, threads=args.threads, **engine, **lora)
 
 
 def _tokens_per_s(

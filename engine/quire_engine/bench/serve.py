@@ -274,6 +274,7 @@ def _offline(
         max_model_len=spec.max_model_len,
         max_num_seqs=concurrency or 256,
         max_num_batched_tokens=spec.max_batch_tokens,
+        threads=1,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=workload.ignore_eos)

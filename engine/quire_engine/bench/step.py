@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=max(2048, max(counts) * args.prompt_len),
         device="cpu",
         dtype="float32",
+        threads=1,
     )
     engine = llm.engine
     vocab = args.vocab_size or engine.vocab_size

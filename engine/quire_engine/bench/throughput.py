@@ -416,6 +416,7 @@ def quire_llm(
         max_num_batched_tokens=2048,
         enable_prefix_caching=True,
         tensor_parallel_size=tensor_parallel_size,
+        threads=args.threads,
     )
 
 

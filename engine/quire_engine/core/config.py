@@ -220,6 +220,9 @@ class ParallelConfig:
     ``tensor_parallel_size // nnodes`` consecutive ranks; node ``node_rank`` 0 is the engine
     (rank 0, the scheduler) and listens for the other nodes at ``master_addr``:``master_port``,
     where they connect. With one node the ranks meet on an ephemeral loopback port instead.
+
+    ``threads``: the node's CPU threads, split over its ranks on CPU (``core.threads`` resolves
+    the default from the cgroup quota; the engine applies it at start).
     """
 
     tensor_parallel_size: int = knob(
@@ -236,6 +239,14 @@ class ParallelConfig:
     master_addr: str = knob("127.0.0.1", "node 0's address, where nodes >= 1 connect")
     master_port: int = knob(
         DEFAULT_MASTER_PORT, "node 0's rendezvous port (under --nnodes > 1)", min=1, max=65535
+    )
+    threads: int | None = knob(
+        None,
+        "CPU threads of torch and the native kernels, all ranks of this node together (default: "
+        "OMP_NUM_THREADS when set, else the cgroup CPU quota rounded down, at least 1, at most "
+        "the CPUs this process may run on; without a quota, those CPUs)",
+        min=1,
+        metavar="N",
     )
 
     def __post_init__(self) -> None:

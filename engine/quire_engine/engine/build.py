@@ -24,6 +24,7 @@ import torch
 from quire_engine.core.config import EngineConfig
 from quire_engine.core.request_table import RequestTable
 from quire_engine.core.scheduler import Scheduler
+from quire_engine.core.threads import openmp_waits, resolve_threads
 from quire_engine.cpu import bf16 as bf16_cpu
 from quire_engine.engine.startup import StartupPhase, StartupTimes
 from quire_engine.model import loader as model_loader
@@ -70,6 +71,10 @@ def build(config: EngineConfig, startup: StartupTimes) -> EngineParts:
     device = model_loader.resolve_device(config.model.device)
     dtype = model_loader.resolve_dtype(config.model.dtype, device)
     bf16_cpu.log_support(device, dtype)
+    # Before the worker group, which splits the count over this node's ranks on CPU.
+    plan = resolve_threads(config.parallel.threads)
+    torch.set_num_threads(plan.threads)
+    logger.info("%s", plan.describe(openmp_waits()))
     parallel = WorkerGroup(config) if config.parallel.tensor_parallel_size > 1 else None
     try:
         return _load(config, startup, device, dtype, parallel)

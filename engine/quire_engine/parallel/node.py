@@ -20,9 +20,8 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-import torch
-
 from quire_engine.core.config import EngineConfig
+from quire_engine.core.threads import openmp_waits, resolve_threads
 from quire_engine.parallel import worker
 from quire_engine.parallel.group import COLLECTIVE_TIMEOUT_S
 
@@ -37,7 +36,9 @@ def start(config: EngineConfig) -> list[BaseProcess]:
     if parallel.node_rank == 0:
         raise ValueError("node 0 runs the engine: --headless needs --node-rank >= 1")
     per = parallel.ranks_per_node
-    threads = torch.get_num_threads()
+    plan = resolve_threads(parallel.threads)
+    logger.info("%s", plan.describe(openmp_waits()))
+    threads = plan.threads
     if worker.rank_device(config, 0).type == "cpu":
         threads = max(1, threads // per)
     ctx = mp.get_context("spawn")

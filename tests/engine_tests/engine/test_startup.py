@@ -142,3 +142,18 @@ def test_a_cpu_pool_is_zero_and_takes_memory_only_where_written() -> None:
     assert float(pool.sum()) == 1.5 * 16 * 8 * 128
     assert resident_mib() - before < 64
     assert torch.equal(zeroed((0, 4), torch.float32, torch.device("cpu")), torch.zeros(0, 4))
+
+
+def test_the_engine_applies_and_logs_its_thread_count(caplog: pytest.LogCaptureFixture) -> None:
+    from quire_engine.engine.llm import LLM
+
+    caplog.set_level(logging.INFO, logger="quire_engine.engine.build")
+    before = torch.get_num_threads()
+    try:
+        with LLM(device="cpu", num_blocks=32, max_model_len=64, threads=1):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU threads")]
+    assert line.startswith("CPU threads: 1 (from --threads; ")
+    assert "; OpenMP waits: " in line
