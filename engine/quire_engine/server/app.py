@@ -112,8 +112,8 @@ class ServerSettings:
         "also export vLLM's metric names (vllm:*) on /metrics, for routers, dashboards and "
         "benchmarks written for vLLM; --no-vllm-metrics exports the quire_* series only",
     )
-    lora_modules: tuple[str, ...] = knob(
-        (),
+    lora_modules: tuple[str, ...] | None = knob(
+        None,
         "LoRA adapters to serve (with --enable-lora): name=path, or vLLM's JSON "
         '{"name": ..., "path": ...}; clients select one by its name in "model"',
         metavar="NAME=PATH",
@@ -132,7 +132,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         knobs.check(self)
-        for text in self.lora_modules:
+        for text in self.lora_modules or ():
             LoRAModule.parse(text)  # a ValueError now, not at the first request
         if (self.lora_modules or self.allow_runtime_lora_updating) and not (
             self.engine.lora.enable_lora
@@ -158,7 +158,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     adapters = AdapterRegistry(
         engine,
         settings.served_model_names,
-        tuple(LoRAModule.parse(text) for text in settings.lora_modules),
+        tuple(LoRAModule.parse(text) for text in settings.lora_modules or ()),
         runtime_updates=_runtime_lora_updating(settings),
     )
     api = Endpoints(
