@@ -133,10 +133,16 @@ class Endpoints:
         return {"object": "list", "data": cards}
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
-        return PlainTextResponse(await self.adapters.load(body.lora_name, body.lora_path))
+        try:
+            return PlainTextResponse(await self.adapters.load(body.lora_name, body.lora_path))
+        except EngineUnavailable as exc:  # not ready, draining or dead: a 503, as everywhere
+            raise unavailable(exc) from exc
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
-        return PlainTextResponse(await self.adapters.unload(body.lora_name))
+        try:
+            return PlainTextResponse(await self.adapters.unload(body.lora_name))
+        except EngineUnavailable as exc:
+            raise unavailable(exc) from exc
 
     async def tokenize(self, body: tokens_api.TokenizeRequest) -> Json:
         info = self._model(body.model)
