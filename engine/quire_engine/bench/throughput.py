@@ -35,15 +35,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    ContinuousBatchingConfig,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from quire_engine.bench import roofline
+from quire_engine.bench.hf_batching import Rate, hf_continuous, hf_static
 from quire_engine.bench.workload import RequestLengths, sharegpt_like, warm_up_prompts
 from quire_engine.core.sampling_params import SamplingParams
 from quire_engine.model.tiny_model import build_tokenizer
@@ -239,7 +234,7 @@ def _run_one(args: argparse.Namespace) -> dict[str, Any]:
     }
     log: roofline.StepLog | None = None  # Quire's steps
     with tempfile.TemporaryDirectory() as tmp:
-        rates: dict[str, _Rate] = {}
+        rates: dict[str, Rate] = {}
         if "quire" in systems:
             run = _quire(model, Path(tmp), prompts, lengths, budget, args)
             rates["quire"], log = run.rate, run.log
@@ -251,11 +246,11 @@ def _run_one(args: argparse.Namespace) -> dict[str, Any]:
                     model, Path(tmp), prompts, lengths, budget, args, run.rate
                 )
         if "hf_static" in systems:
-            rates["hf_static"], result["hf_static_waves"] = _hf_static(
+            rates["hf_static"], result["hf_static_waves"] = hf_static(
                 model, prompts, lengths, budget
             )
         if "hf_continuous" in systems:
-            rates["hf_continuous"] = _hf_continuous(model, prompts, lengths, budget, args)
+            rates["hf_continuous"] = hf_continuous(model, prompts, lengths, budget, args)
     for name, rate in rates.items():
         result[f"{name}_tok_s"] = round(rate.tokens / rate.wall_s, 1)
         result[f"{name}_tok_per_cpu_s"] = round(rate.tokens / rate.cpu_s, 1)
@@ -280,23 +275,12 @@ def _run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Rate:
-    """Output tokens of one system's timed run, its wall time and its process CPU time (every
-    system runs one torch thread, so CPU time is its work; unlike wall time it does not count
-    time other processes of a shared machine took)."""
-
-    tokens: int
-    wall_s: float
-    cpu_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class _QuireRun:
     """Quire's timed run: its rate and steps, the prompt tokens it found in the prefix cache
     (0 on this workload of distinct random prompts, the warm-up included: what a peer without
     a prefix cache computes, Quire computes too) and the ``--profile`` run's split."""
 
-    rate: _Rate
+    rate: Rate
     log: roofline.StepLog
     prefix_hit_tokens: int
     profile: dict[str, Any] | None
@@ -343,7 +327,7 @@ def _quire(
         with prof.attach(llm.engine):
             llm.generate(prompts, params)
         profile = prof.report() | {"prefix_hit_tokens": kv.prefix_hits - before}
-    return _QuireRun(_Rate(produced, elapsed, cpu), log, hits, profile)
+    return _QuireRun(Rate(produced, elapsed, cpu), log, hits, profile)
 
 
 def _tensor_parallel(
@@ -353,7 +337,7 @@ def _tensor_parallel(
     lengths: list[RequestLengths],
     budget: int,
     args: argparse.Namespace,
-    one_rank: _Rate,
+    one_rank: Rate,
 ) -> dict[str, Any]:
     """The same timed run at ``--tensor-parallel-size`` ranks (same KV budget in tokens).
 
@@ -423,90 +407,3 @@ def quire_llm(
 def request_params(lengths: list[RequestLengths]) -> list[SamplingParams]:
     """Greedy, EOS ignored, each request its own output length."""
     return [SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in lengths]
-
-
-def _hf_static(
-    model: PreTrainedModel, prompts: list[list[int]], lengths: list[RequestLengths], budget: int
-) -> tuple[_Rate, int]:
-    waves: list[list[int]] = []
-    for i, r in enumerate(lengths):
-        wave = waves[-1] if waves else None
-        if wave is not None:
-            longest = max(max(lengths[j].prompt for j in wave), r.prompt)
-            new = max(max(lengths[j].output for j in wave), r.output)
-            if (len(wave) + 1) * (longest + new) <= budget:
-                wave.append(i)
-                continue
-        waves.append([i])
-    _static_wave(model, warm_up_prompts(prompts, 1), 4)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for wave in waves:
-        _static_wave(model, [prompts[i] for i in wave], max(lengths[i].output for i in wave))
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return _Rate(sum(r.output for r in lengths), elapsed, cpu), len(waves)
-
-
-def _static_wave(
-    model: Any,  # PreTrainedModel; its generate() is untyped for mypy
-    prompts: list[list[int]],
-    max_new: int,
-) -> None:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long, device=model.device)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding, as batched generation needs
-        ids[row, width - len(p) :] = torch.tensor(p, device=model.device)
-        mask[row, width - len(p) :] = 1
-    with torch.inference_mode():
-        cfg = GenerationConfig(
-            do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max_new
-        )
-        model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-
-
-def _hf_continuous(
-    model: Any,  # PreTrainedModel with transformers' continuous-batching mixin
-    prompts: list[list[int]],
-    lengths: list[RequestLengths],
-    budget: int,
-    args: argparse.Namespace,
-) -> _Rate:
-    gen_cfg = GenerationConfig(
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        max_new_tokens=max(r.output for r in lengths),
-    )
-    cb_cfg = ContinuousBatchingConfig(
-        page_size=args.block_size,
-        num_blocks=budget // args.block_size,
-        max_batch_tokens=2048,
-    )
-    produced = 0
-    with model.continuous_batching_context_manager(
-        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
-    ) as manager:
-        # A warm-up request, as every system gets: first-call costs out of the timed run.
-        manager.add_request(warm_up_prompts(prompts, 1)[0], max_new_tokens=4, eos_token_id=-1)
-        while (res := manager.get_result(timeout=5)) is None or not res.is_finished():
-            if res is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous batching stopped in its warm-up")
-        t0, c0 = time.perf_counter(), time.process_time()
-        for p, r in zip(prompts, lengths, strict=True):
-            manager.add_request(p, max_new_tokens=r.output, eos_token_id=-1)
-        done = 0
-        while done < len(prompts):
-            res = manager.get_result(timeout=5)
-            if res is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching stopped early")
-                continue
-            if res.is_finished():
-                done += 1
-                produced += len(res.generated_tokens)
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if produced != sum(r.output for r in lengths):
-        raise RuntimeError(
-            f"hf continuous produced {produced} tokens, expected {sum(r.output for r in lengths)}"
-        )
-    return _Rate(produced, elapsed, cpu)

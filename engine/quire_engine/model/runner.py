@@ -238,7 +238,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_seqs + prompt rows, vocab]: the
         sampling rows in batch order, then the rows of ``prompt_spans`` in their order."""
-        plan = plan_step(out, prompt_spans)
+        plan = plan_step(out, prompt_spans, lora=self.lora is not None)
         if self.publish is not None:
             self.publish(plan)
         return self.run(plan)
@@ -361,7 +361,7 @@ class StepInputs:
     lora_ids: np.ndarray | None = None  # int64 [S]: each sequence's adapter; None: all base
 
 
-def build_step_inputs(out: SchedulerOutput) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, *, lora: bool = False) -> StepInputs:
     """Vectorized: one pass over the sequences in Python (their token ids and block tables are
     Python lists), everything else in numpy, so a step of hundreds of decode sequences costs
     tens of microseconds here rather than one slice and one row copy per sequence."""
@@ -402,11 +402,10 @@ def build_step_inputs(out: SchedulerOutput) -> StepInputs:
     tables = _pad_tables(out.block_tables)  # [num_seqs, max_blocks]
     bs = out.block_size
     slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-    lora_ids: np.ndarray | None = np.fromiter(
-        map(_lora_id, out.seqs), dtype=np.int64, count=num_seqs
-    )
-    if lora_ids is not None and not lora_ids.any():
-        lora_ids = None  # the base model alone (always, without LoRA)
+    lora_ids = None  # the base model alone: always without LoRA, so nothing read per step then
+    if lora:
+        ids = np.fromiter(map(_lora_id, out.seqs), dtype=np.int64, count=num_seqs)
+        lora_ids = ids if ids.any() else None
     return StepInputs(
         counts, qsl, positions, slots, tables, input_ids, starts + counts, sample_rows,
         max_query_len, lora_ids,
@@ -428,8 +427,11 @@ class StepPlan:
     load: Sequence[tuple[int, int]] = ()  # (host, device): host-tier loads
 
 
-def plan_step(out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = ()) -> StepPlan:
-    x = build_step_inputs(out)
+def plan_step(
+    out: SchedulerOutput, prompt_spans: Sequence[PromptLogitSpan] = (), *, lora: bool = False
+) -> StepPlan:
+    """``lora``: the runner serves adapters, so each sequence's adapter id is read."""
+    x = build_step_inputs(out, lora=lora)
     keep = None
     if prompt_spans:
         # A span's rows are its sequence's new tokens from position ``first`` on.

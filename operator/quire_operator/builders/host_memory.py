@@ -21,20 +21,12 @@ from quire_operator.spec.view import QUANTITY, InferenceService
 
 GIB = 1 << 30
 MIB = 1 << 20
+# Decimal (k = 10^3 ... E = 10^18) and binary (Ki = 2^10 ... Ei = 2^60) suffixes, and the
+# sub-unit ones a memory quantity may still carry (m, u, n).
 _SUFFIXES = {
     "": Decimal(1),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
+    **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", 1)},
+    **{f"{s}i": Decimal(2) ** (10 * i) for i, s in enumerate("KMGTPE", 1)},
     "m": Decimal(10) ** -3,
     "u": Decimal(10) ** -6,
     "n": Decimal(10) ** -9,
