@@ -8,7 +8,9 @@ files off its step loop (``AsyncEngine.load_adapter``); an unload stops new requ
 returns when the requests in flight on the adapter have finished.
 
 ``--lora-modules`` takes vLLM's two forms: ``name=path`` and the JSON object
-``{"name": ..., "path": ..., "base_model_name": ...}``.
+``{"name": ..., "path": ..., "base_model_name": ...}``. A relative path is resolved under
+``--lora-dir`` when one is set (the operator mounts adapter volumes under one directory and names
+adapters relative to it); ``/v1/models`` shows each adapter's path as it was given.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import enum
 import itertools
 import json
 import logging
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from quire_engine.core.lora import LoRARequest
 from quire_engine.engine.async_engine import AsyncEngine
@@ -29,6 +33,8 @@ from quire_engine.server.protocol import OpenAIError
 
 logger = logging.getLogger(__name__)
 
+# The error code of a load naming an adapter that is loaded or loading.
+ALREADY_LOADED = "lora_adapter_already_loaded"
 # How often the static adapters' loader looks whether the engine is ready yet.
 READY_POLL_S = 0.05
 
@@ -65,9 +71,17 @@ class LoRAModule:
 
 @dataclass(slots=True)
 class _Entry:
-    request: LoRARequest
+    request: LoRARequest  # lora_path: resolved under --lora-dir
+    source: str  # the path as given (what /v1/models shows as its root)
     state: AdapterState
     error: str = ""
+
+
+class ServedAdapter(NamedTuple):
+    """An adapter ``/v1/models`` lists."""
+
+    name: str
+    source: str
 
 
 class AdapterRegistry:
@@ -80,10 +94,12 @@ class AdapterRegistry:
         modules: tuple[LoRAModule, ...] = (),
         *,
         runtime_updates: bool = False,
+        lora_dir: str | None = None,
     ) -> None:
         self.engine = engine
         self.base_names = base_names
         self.runtime_updates = runtime_updates
+        self.lora_dir = lora_dir
         self._ids = itertools.count(1)
         self._entries: dict[str, _Entry] = {}
         self._static = [self._register(m.name, m.path) for m in modules]
@@ -92,8 +108,9 @@ class AdapterRegistry:
     def _register(self, name: str, path: str) -> LoRARequest:
         if name in self.base_names or name in self._entries:
             raise ValueError(f"LoRA adapter name {name!r} is already served")
-        request = LoRARequest(name, next(self._ids), path)
-        self._entries[name] = _Entry(request, AdapterState.LOADING)
+        resolved = os.path.join(self.lora_dir, path) if self.lora_dir else path
+        request = LoRARequest(name, next(self._ids), resolved)
+        self._entries[name] = _Entry(request, path, AdapterState.LOADING)
         return request
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -109,8 +126,12 @@ class AdapterRegistry:
             404, f"The model `{model}` does not exist{why}.", param="model", code="model_not_found"
         )
 
-    def served(self) -> list[LoRARequest]:
-        return [e.request for e in self._entries.values() if e.state is AdapterState.SERVED]
+    def served(self) -> list[ServedAdapter]:
+        return [
+            ServedAdapter(e.request.lora_name, e.source)
+            for e in self._entries.values()
+            if e.state is AdapterState.SERVED
+        ]
 
     # ---- static adapters -------------------------------------------------------------------
     async def load_static(self) -> None:
@@ -151,7 +172,13 @@ class AdapterRegistry:
         self._check_runtime()
         entry = self._entries.get(name)
         if entry is not None and entry.state is not AdapterState.FAILED:
-            raise OpenAIError(400, f"LoRA adapter {name!r} is already loaded", param="lora_name")
+            # The code tells a caller that repeats a load (the operator, after a timeout) that
+            # this name is taken, apart from every other 400.
+            loading = " (still loading)" if entry.state is AdapterState.LOADING else ""
+            raise OpenAIError(
+                400, f"LoRA adapter {name!r} is already loaded{loading}", param="lora_name",
+                code=ALREADY_LOADED,
+            )  # fmt: skip
         if entry is not None:
             del self._entries[name]  # a failed one may be loaded again
         try:

@@ -118,6 +118,12 @@ class ServerSettings:
         '{"name": ..., "path": ...}; clients select one by its name in "model"',
         metavar="NAME=PATH",
     )
+    lora_dir: str | None = knob(
+        None,
+        "directory that relative adapter paths (--lora-modules, /v1/load_lora_adapter) are "
+        "resolved under",
+        metavar="DIR",
+    )
     allow_runtime_lora_updating: bool = knob(
         False,
         "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
@@ -134,10 +140,12 @@ class ServerSettings:
         knobs.check(self)
         for text in self.lora_modules or ():
             LoRAModule.parse(text)  # a ValueError now, not at the first request
-        if (self.lora_modules or self.allow_runtime_lora_updating) and not (
+        if (self.lora_modules or self.allow_runtime_lora_updating or self.lora_dir) and not (
             self.engine.lora.enable_lora
         ):
-            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+            raise ValueError(
+                "--lora-modules, --lora-dir and --allow-runtime-lora-updating need --enable-lora"
+            )
 
 
 def _runtime_lora_updating(settings: ServerSettings) -> bool:
@@ -160,6 +168,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         settings.served_model_names,
         tuple(LoRAModule.parse(text) for text in settings.lora_modules or ()),
         runtime_updates=_runtime_lora_updating(settings),
+        lora_dir=settings.lora_dir,
     )
     api = Endpoints(
         engine, settings.served_model_names, settings.tools, settings.reasoning_parser, adapters

@@ -120,11 +120,11 @@ class Endpoints:
         ]
         cards += [
             {
-                "id": lora.lora_name,
+                "id": lora.name,
                 "object": "model",
                 "created": self.created,
                 "owned_by": "quire",
-                "root": lora.lora_path,
+                "root": lora.source,
                 "parent": self.served_model_names[0],
                 "max_model_len": info.max_model_len if info else None,
             }

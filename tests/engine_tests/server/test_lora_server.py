@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from quire_engine.engine.vllm_metrics import LoRAState, VllmCollector
+from quire_engine.server.adapters import ALREADY_LOADED
 from tests.engine_tests.live_server import RunningServer, serve, tiny_settings
 from tests.engine_tests.model.test_lora import (
     PROMPTS,
@@ -53,8 +54,9 @@ def server(checkpoints: dict[str, Path]) -> Iterator[RunningServer]:
     settings = tiny_settings(
         engine,
         served_model_names=("base",),
-        lora_modules=(f"a={root / 'a'}",),
+        lora_modules=(f"a={root / 'a'}",),  # absolute: --lora-dir leaves it as it is
         allow_runtime_lora_updating=True,
+        lora_dir=str(root),
     )
     with serve(settings) as running:
         yield running
@@ -103,14 +105,19 @@ def test_runtime_load_refusals_and_unload_after_in_flight(
         ({"lora_name": "x", "lora_path": str(root / "nowhere")}, "peft adapter directory"),
         ({"lora_name": "wide", "lora_path": str(root / "wide")}, "rank 16; max_lora_rank is 8"),
         ({"lora_name": "foreign", "lora_path": str(root / "foreign")}, "another base model"),
-        ({"lora_name": "a", "lora_path": str(root / "a")}, "already loaded"),
+        ({"lora_name": "a", "lora_path": "a"}, "already loaded"),
         ({"lora_name": "base", "lora_path": str(root / "a")}, "already served"),
     ]
     for body, message in bad:
         answer = post(server, "/v1/load_lora_adapter", body)
         assert answer.status_code == 400 and message in answer.json()["error"]["message"], body
-    answer = post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(root / "b")})
+        taken = answer.json()["error"]["code"] == ALREADY_LOADED
+        assert taken == (message == "already loaded"), answer.json()
+    # A relative path is resolved under --lora-dir; /v1/models shows it as it was given.
+    answer = post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "b"})
     assert answer.status_code == 200, answer.text
+    cards = {c["id"]: c for c in httpx2.get(f"{server.url}/v1/models").json()["data"]}
+    assert cards["b"]["root"] == "b" and cards["b"]["parent"] == "base"
     expected, margins = reference(str(checkpoints["b_ref"]))[0]
     n = tie_free_prefix(margins)
     assert greedy(server, "b", PROMPTS[0])[:n] == expected[:n]
