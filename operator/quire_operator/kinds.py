@@ -60,6 +60,7 @@ class Kind(enum.StrEnum):
     ROLE = "Role"
     ROLE_BINDING = "RoleBinding"
     POD = "Pod"
+    SECRET = "Secret"
     EVENT = "Event"
 
     @property
@@ -142,6 +143,10 @@ RESOURCES: Mapping[Kind, Resource] = MappingProxyType(
         # Engine, Endpoint Picker and download pods: explain an unready replica, carry the
         # download's outcome; never changed.
         Kind.POD: Resource("", "v1", "pods", False, Watch.EVERY_EVENT, READ, owned=False),
+        # Only spec.apiKeySecretRef's, read to call a replica's LoRA endpoints (spec.lora).
+        Kind.SECRET: Resource(
+            "", "v1", "secrets", False, Watch.NOT_WATCHED, (_V.GET,), owned=False
+        ),
         # One per status transition, on the InferenceService.
         Kind.EVENT: Resource(
             "", "v1", "events", False, Watch.NOT_WATCHED, (_V.CREATE,), owned=False

@@ -183,8 +183,12 @@ InferenceObjectives, InferenceModelRewrites).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
-# No Secrets: the pods reference them (API key, model token) and the kubelet reports a missing
-# one in the pod status, which the operator reads from the pods above.
+# Secrets: read (get, never listed or watched) only with spec.lora and spec.apiKeySecretRef: the
+# API key that the replicas' runtime LoRA endpoints (load, unload) sit behind. A missing Secret
+# shows in the pods' status, which the operator reads from the pods above.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 # The operator posts one Event per status transition on the InferenceService (and kopf posts
 # handler errors).
 - apiGroups: [""]

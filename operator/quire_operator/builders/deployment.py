@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 from quire_operator import meta
 from quire_operator.builders.host_memory import with_host_tier
+from quire_operator.builders.lora import LORA_FLAGS, adapter_volumes, lora_args
 from quire_operator.config import OperatorConfig
 from quire_operator.spec.view import InferenceService, ModelKind, ModelSource, SecretKeyRef
 
@@ -75,6 +76,7 @@ MANAGED_FLAGS = (
     "--no-headless",
     "--wait-for-model-cache",  # spec.model.cache: the engine loads only a complete cache
     "--no-wait-for-model-cache",
+    *LORA_FLAGS,  # spec.lora
 )
 # Refused in extraArgs as well: an API key in args would be readable by anyone who can read the
 # InferenceService or its pods (spec.apiKeySecretRef passes it through a Secret instead).
@@ -155,6 +157,8 @@ def engine_args(isvc: InferenceService) -> list[str]:
         args += ["--swap-space", _number(engine.swap_space_gib)]
     if isvc.model.cache is not None:
         args.append("--wait-for-model-cache")
+    if isvc.lora is not None:
+        args += lora_args(isvc.lora)
     return args + parallel_args(isvc) + list(engine.extra_args)
 
 
@@ -304,6 +308,10 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         # Only the emptyDir of a per-pod download is written by the pod itself.
         writable = isvc.model.kind is ModelKind.HF and isvc.model.cache is None
         mounts.append(mount if writable else {**mount, "readOnly": True})
+    cache_claim = cache_claim_name(isvc.ref.name) if isvc.model.cache is not None else None
+    lora_volumes, lora_mounts = adapter_volumes(isvc, cache_claim)
+    volumes += lora_volumes
+    mounts += lora_mounts
     failures = MODEL_LOAD_BUDGET_S // STARTUP_PROBE_PERIOD_S
     container: dict[str, Any] = {
         "name": "engine",

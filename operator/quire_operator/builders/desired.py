@@ -16,31 +16,59 @@ from quire_operator.builders.deployment import build_deployment, cache_claim_nam
 from quire_operator.builders.disruption_budget import build_pdb
 from quire_operator.builders.endpoint_picker import routing_children
 from quire_operator.builders.leader_worker_set import build_leader_worker_set
-from quire_operator.builders.model_cache import build_claim, build_job
+from quire_operator.builders.model_cache import (
+    CACHE_COMPONENT,
+    build_adapter_job,
+    build_claim,
+    build_job,
+)
 from quire_operator.builders.service import build_service
 from quire_operator.config import OperatorConfig
 from quire_operator.kinds import Kind
-from quire_operator.meta import ChildKey
+from quire_operator.meta import COMPONENT_LABEL, ChildKey
+from quire_operator.spec.lora import AdapterKind
 from quire_operator.spec.view import InferenceService
 
 # Each child -> its applied configuration, or None: delete it if it is ours.
 Wanted = dict[ChildKey, dict[str, Any] | None]
 
 
+def adapter_jobs(isvc: InferenceService, config: OperatorConfig) -> dict[str, dict[str, Any]]:
+    """Each hf:// adapter's name -> its download Job (none without spec.lora or a cache)."""
+    if isvc.lora is None or isvc.model.cache is None:
+        return {}
+    hf = (a for a in isvc.lora.adapters if a.kind is AdapterKind.HF)
+    return {adapter.name: build_adapter_job(isvc, config, adapter) for adapter in hf}
+
+
 def model_cache_children(isvc: InferenceService, config: OperatorConfig) -> Wanted:
-    """The cache's claim (None when the cache is turned off) and its download Job; finished
-    Jobs of earlier specs stay as records until the InferenceService goes."""
+    """The cache's claim (None when the cache is turned off), the model's download Job and one
+    per hf:// adapter; finished Jobs of earlier specs (and of adapters taken out of the spec)
+    stay as records until the InferenceService goes."""
     claim = ChildKey(Kind.PVC, cache_claim_name(isvc.ref.name))
     cache = isvc.model.cache
     if cache is None:
         return {claim: None}
-    job = build_job(isvc, config)
-    return {claim: build_claim(isvc, cache), ChildKey(Kind.JOB, job["metadata"]["name"]): job}
+    jobs = [build_job(isvc, config), *adapter_jobs(isvc, config).values()]
+    return {
+        claim: build_claim(isvc, cache),
+        **{ChildKey(Kind.JOB, job["metadata"]["name"]): job for job in jobs},
+    }
 
 
 def download_job(cache: Wanted) -> str | None:
-    """The name of the download Job among ``model_cache_children``, if the spec has a cache."""
-    return next((key.name for key in cache if key.kind == Kind.JOB), None)
+    """The name of the model's download Job among ``model_cache_children``, if the spec has a
+    cache (the adapters' Jobs carry another component label)."""
+    return next(
+        (
+            key.name
+            for key, obj in cache.items()
+            if key.kind == Kind.JOB
+            and obj is not None
+            and obj["metadata"]["labels"][COMPONENT_LABEL] == CACHE_COMPONENT
+        ),
+        None,
+    )
 
 
 def engine_children(isvc: InferenceService, config: OperatorConfig) -> Wanted:

@@ -14,6 +14,9 @@ Ownership:
   for ``hf://org/name/file.gguf`` only that file is fetched into it), a completion marker
   written last. Engines mount the claim read-only and load only once the
   marker is there (``--wait-for-model-cache``).
+- Each hf:// adapter of ``spec.lora`` gets a Job of its own, ``<name>-adapter-<digest>``, built
+  the same way into ``MODEL_DIR/<org>/<name>/@<revision>`` (labelled ``component:
+  adapter-cache``, so the model's Job is told apart); engines see it under ``/adapters/hf``.
 - The Job reports the commit, bytes and files it verified in its container's termination
   message (``/dev/termination-log``): Kubernetes' own channel from a finished container to the
   API, which the operator already reads on pods; no extra object or permission is needed.
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from quire_operator import meta
 from quire_operator.builders.deployment import (
@@ -37,10 +40,12 @@ from quire_operator.builders.deployment import (
     pod_security,
 )
 from quire_operator.config import OperatorConfig
+from quire_operator.spec.lora import Adapter, AdapterKind
 from quire_operator.spec.view import InferenceService, ModelCache
 
 CACHE_APP = "quire-model-cache"
 CACHE_COMPONENT = "model-cache"
+ADAPTER_COMPONENT = "adapter-cache"
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 # Pod retries before the Job fails: each resumes where the last stopped (files already verified
 # are kept, a cut transfer continues with an HTTP Range request).
@@ -55,9 +60,19 @@ _MAX_JOB_NAME = 63
 _DIGEST = 10
 
 
-def labels(name: str) -> dict[str, str]:
-    """The cache's objects and the Job's pods: never matched by the engine's selector."""
-    return meta.labels(name, app=CACHE_APP, component=CACHE_COMPONENT)
+def labels(name: str, component: str = CACHE_COMPONENT) -> dict[str, str]:
+    """The cache's objects and the Jobs' pods: never matched by the engine's selector."""
+    return meta.labels(name, app=CACHE_APP, component=component)
+
+
+class Download(NamedTuple):
+    """What one Job fetches: ``repo`` at ``revision`` (None: main) into ``directory`` (a path
+    in the volume mounted at MODEL_DIR); ``file``: only that file of it ("" for all)."""
+
+    repo: str
+    directory: str
+    file: str
+    revision: str | None
 
 
 def build_claim(isvc: InferenceService, cache: ModelCache) -> dict[str, Any]:
@@ -78,19 +93,21 @@ def build_claim(isvc: InferenceService, cache: ModelCache) -> dict[str, Any]:
     }
 
 
-def _download_pod(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
-    model = isvc.model
+def _download_pod(
+    isvc: InferenceService, config: OperatorConfig, download: Download
+) -> dict[str, Any]:
+    model = isvc.model  # its endpoint and token serve its adapters too
     scratch_name, scratch_path, scratch_size = SCRATCH
     command = [
         "python", "-m", "quire_engine.hub_cache", "download",
-        "--repo", model.location,
-        "--dir", model_dir(model),
+        "--repo", download.repo,
+        "--dir", download.directory,
         "--termination-message-path", TERMINATION_MESSAGE_PATH,
     ]  # fmt: skip
-    if model.sub_path:  # one GGUF file of the repository
-        command += ["--file", model.sub_path]
-    if model.revision is not None:
-        command += ["--revision", model.revision]
+    if download.file:  # one GGUF file of the repository
+        command += ["--file", download.file]
+    if download.revision is not None:
+        command += ["--revision", download.revision]
     container: dict[str, Any] = {
         "name": "download",
         "image": isvc.engine.image or config.engine_image,
@@ -139,26 +156,46 @@ def _download_pod(isvc: InferenceService, config: OperatorConfig) -> dict[str, A
     return pod
 
 
-def job_name(isvc: InferenceService, spec: dict[str, Any]) -> str:
-    """``<name>-model-<digest of spec>``, the name cut so the whole fits 63 characters."""
+def job_name(isvc: InferenceService, spec: dict[str, Any], what: str = "model") -> str:
+    """``<name>-<what>-<digest of spec>``, the name cut so the whole fits 63 characters."""
     text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(text.encode()).hexdigest()[:_DIGEST]
-    prefix = isvc.ref.name[: _MAX_JOB_NAME - len("-model-") - _DIGEST].rstrip("-.")
-    return f"{prefix}-model-{digest}"
+    prefix = isvc.ref.name[: _MAX_JOB_NAME - len(f"-{what}-") - _DIGEST].rstrip("-.")
+    return f"{prefix}-{what}-{digest}"
 
 
-def build_job(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
-    """The download Job (see the module docstring)."""
+def _job(
+    isvc: InferenceService, config: OperatorConfig, download: Download, what: str, component: str
+) -> dict[str, Any]:
     name = isvc.ref.name
     refused = {"containerName": "download", "operator": "In", "values": [EXIT_REFUSED]}
+    pod = _download_pod(isvc, config, download)
     spec = {
         "backoffLimit": BACKOFF_LIMIT,
         "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": refused}]},
-        "template": {"metadata": {"labels": labels(name)}, "spec": _download_pod(isvc, config)},
+        "template": {"metadata": {"labels": labels(name, component)}, "spec": pod},
     }
+    named = job_name(isvc, spec, what)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": meta.object_meta(isvc.ref, job_name(isvc, spec), labels(name)),
+        "metadata": meta.object_meta(isvc.ref, named, labels(name, component)),
         "spec": spec,
     }
+
+
+def build_job(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """The model's download Job (see the module docstring)."""
+    model = isvc.model
+    download = Download(model.location, model_dir(model), model.sub_path, model.revision)
+    return _job(isvc, config, download, "model", CACHE_COMPONENT)
+
+
+def build_adapter_job(
+    isvc: InferenceService, config: OperatorConfig, adapter: Adapter
+) -> dict[str, Any]:
+    """An hf:// adapter's download Job: the whole repository, into its own directory."""
+    assert adapter.kind is AdapterKind.HF, adapter.kind
+    directory = f"{MODEL_DIR}/{adapter.cache_subdir}"
+    download = Download(adapter.location, directory, "", adapter.revision)
+    return _job(isvc, config, download, "adapter", ADAPTER_COMPONENT)

@@ -258,3 +258,29 @@ def parse_download(pods: Sequence[Mapping[str, Any]]) -> DownloadOutcome | None:
         )
     except (ValueError, KeyError, TypeError):
         return DownloadOutcome(True)  # finished, but said nothing readable
+
+
+# A LeaderWorkerSet pod's index in its group: 0 is the leader, the one serving HTTP.
+_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+@dataclass(frozen=True)
+class ServingPod:
+    """An engine pod that serves HTTP and is Ready: the operator may call its API."""
+
+    name: str
+    ip: str
+
+
+def parse_serving_pod(obj: Mapping[str, Any]) -> ServingPod | None:
+    """The pod as a ``ServingPod``; None while it is not Ready, has no IP, is being deleted, or
+    is a LeaderWorkerSet worker (its group's leader serves for it)."""
+    metadata, status = obj.get("metadata") or {}, obj.get("status") or {}
+    if metadata.get("deletionTimestamp") or not status.get("podIP"):
+        return None
+    if (metadata.get("labels") or {}).get(_WORKER_INDEX_LABEL, "0") != "0":
+        return None
+    ready = _conditions(status).get("Ready")
+    if ready is None or ready.status != "True":
+        return None
+    return ServingPod(metadata["name"], status["podIP"])

@@ -38,6 +38,7 @@ from quire_operator.observed.views import (
     parse_pod,
     parse_pool_parents,
 )
+from quire_operator.reconcile.adapters import AdapterSync
 from quire_operator.reconcile.converge import Ours
 from quire_operator.spec.view import Identity, InferenceService, InvalidSpec, RoutingMode
 from quire_operator.status.conditions import (
@@ -98,9 +99,10 @@ class Observer:
         problem: Problem | None,
         ours: Ours,
         cache: Wanted,
+        adapters: AdapterSync | None = None,
     ) -> Observation:
         """``cache``: the model cache's children as built for this reconcile (empty for an
-        invalid spec)."""
+        invalid spec); ``adapters``: what the adapter loader found (None without spec.lora)."""
         identity: Identity = spec.identity
         namespace, name = identity.ref.namespace, identity.ref.name
         isvc = spec if isinstance(spec, InferenceService) else None
@@ -120,6 +122,7 @@ class Observer:
             held=self._held_while_waking(isvc, deployment),
             model_cache=self._cache(isvc, ours, cache),
             host_tier=_host_tier(isvc),
+            adapters=adapters.adapters if adapters is not None else None,
         )
 
     def _held_while_waking(

@@ -14,8 +14,10 @@ Ownership:
   children (``meta.FIELD_MANAGER``); the children's ownership rules are converge.py's.
 - One lock per (namespace, name) stripe serializes reconciles of an object within the process;
   kopf peering keeps a second operator process paused, so nothing else writes these fields.
-- The operator never reads Secrets: a missing API key or model token Secret shows in the pods'
-  status (the kubelet's CreateContainerConfigError names it), which the status reports.
+- The operator reads one Secret only: with ``spec.lora`` and ``spec.apiKeySecretRef``, the API key
+  it calls the replicas' LoRA endpoints with (reconcile/adapters.py). A missing API key or model
+  token Secret shows in the pods' status (the kubelet's CreateContainerConfigError names it),
+  which the status reports.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from quire_operator import meta
-from quire_operator.builders.desired import Wanted, model_cache_children
+from quire_operator.builders.desired import Wanted, adapter_jobs, model_cache_children
 from quire_operator.children import TIMEOUT, Children
 from quire_operator.config import OperatorConfig
+from quire_operator.kinds import Kind
+from quire_operator.reconcile.adapters import AdapterLoader
 from quire_operator.reconcile.converge import Converger
 from quire_operator.reconcile.observe import Observer
 from quire_operator.spec.parsing import read
@@ -46,6 +50,8 @@ logger = logging.getLogger("quire_operator.reconcile")
 
 MERGE = "application/merge-patch+json"
 _LOCK_STRIPES = 64
+# Returned (not reported) while an adapter is on its way to a replica: retried with backoff.
+_ADAPTERS_PENDING = Problem("AdaptersPending", "adapters still loading", retry=True)
 
 
 def _log_changes(namespace: str, name: str, before: dict[str, Any], after: dict[str, Any]) -> None:
@@ -87,6 +93,7 @@ class Reconciler:
         self.metrics = metrics if metrics is not None else OperatorMetrics()
         self._converger = Converger(Children(api), config)
         self._observer = Observer(api, config)
+        self._adapters = AdapterLoader(api)
         self._custom = client.CustomObjectsApi(api)
         self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
 
@@ -104,7 +111,15 @@ class Reconciler:
             if isinstance(spec, InferenceService):
                 cache = model_cache_children(spec, self._config)
             problem, ours = self._converger.converge(spec, cache)
-            observed = self._observer.observe(spec, problem, ours, cache)
+            adapters = None
+            if isinstance(spec, InferenceService) and spec.lora is not None:
+                jobs = {
+                    a: job["metadata"]["name"]
+                    for a, job in adapter_jobs(spec, self._config).items()
+                }
+                found = {key.name: obj for key, obj in ours.items() if key.kind == Kind.JOB}
+                adapters = self._adapters.sync(spec, jobs, found)
+            observed = self._observer.observe(spec, problem, ours, cache, adapters)
             previous = body.get("status") or {}
             status = build_status(observed, previous, self._now())
             if status != previous:
@@ -114,6 +129,8 @@ class Reconciler:
                 for transition in transitions(previous, status):
                     self._events.post(ref, transition)
                     self.metrics.count(body, transition)
+            if problem is None and adapters is not None and adapters.pending:
+                return _ADAPTERS_PENDING
             return problem
 
     def _read_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:

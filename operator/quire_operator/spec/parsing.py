@@ -16,6 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from quire_operator.meta import ObjectRef
+from quire_operator.spec.lora import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    Adapter,
+    AdapterKind,
+    LoRASpec,
+)
 from quire_operator.spec.view import (
     Autoscaling,
     AutoscalingBackend,
@@ -49,6 +56,8 @@ _PVC = re.compile(
     r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>(/[A-Za-z0-9._-]+)*)/?$"
 )
 _FILE = re.compile(r"^file://(?P<path>/[A-Za-z0-9._/-]+)$")
+# An adapter is a directory: hf:// names a whole repository (no one-file form).
+_HF_REPO = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$")
 
 
 def parse_parallelism(parallelism: Mapping[str, Any], gpus: int) -> Parallelism:
@@ -96,6 +105,31 @@ def parse_model(model: Mapping[str, Any], default_served_name: str) -> ModelSour
         return ModelSource(ModelKind.FILE, match["path"], "", **common)
     raise ValueError(
         f"model.uri: not hf://org/name[/file.gguf], pvc://claim[/path], file:///path, tiny: {uri}"
+    )
+
+
+def parse_adapter(adapter: Mapping[str, Any]) -> Adapter:
+    name, uri, revision = adapter["name"], adapter["uri"], adapter.get("revision")
+    if match := _HF_REPO.match(uri):
+        return Adapter(name, AdapterKind.HF, match["repo"], revision=revision)
+    if match := _PVC.match(uri):
+        path = match["path"].lstrip("/")
+        return Adapter(name, AdapterKind.PVC, match["claim"], path, revision=revision)
+    if match := _FILE.match(uri):
+        return Adapter(name, AdapterKind.FILE, match["path"].rstrip("/"), revision=revision)
+    raise ValueError(
+        f"lora.adapters[{name}].uri: not hf://org/name, pvc://claim[/path], file:///path: {uri}"
+    )
+
+
+def parse_lora(lora: Mapping[str, Any] | None) -> LoRASpec | None:
+    if lora is None:
+        return None
+    return LoRASpec(
+        max_loras=lora.get("maxLoras", DEFAULT_MAX_LORAS),
+        max_lora_rank=lora.get("maxLoraRank", DEFAULT_MAX_LORA_RANK),
+        max_cpu_loras=lora.get("maxCpuLoras"),
+        adapters=tuple(parse_adapter(adapter) for adapter in lora.get("adapters") or ()),
     )
 
 
@@ -208,6 +242,7 @@ def parse(body: Mapping[str, Any]) -> InferenceService:
         api_key=_secret_key_ref(spec.get("apiKeySecretRef")),
         routing=parse_routing(spec.get("routing") or {}),
         parallelism=parse_parallelism(spec.get("parallelism") or {}, resources["gpus"]),
+        lora=parse_lora(spec.get("lora")),
     )
 
 

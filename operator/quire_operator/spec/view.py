@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire_operator.meta import ObjectRef
+from quire_operator.spec.lora import AdapterKind, LoRASpec
 
 # A Kubernetes quantity (resource.Quantity's grammar, without the sign).
 QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
@@ -352,8 +353,19 @@ class InferenceService:
     api_key: SecretKeyRef | None = None
     routing: Routing = field(default_factory=Routing)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    lora: LoRASpec | None = None  # None: LoRA off
 
     def __post_init__(self) -> None:
+        for adapter in self.lora.adapters if self.lora is not None else ():
+            if adapter.name == self.model.served_name:
+                raise ValueError(
+                    f"lora.adapters[].name {adapter.name!r} is the model's served name"
+                )
+            if adapter.kind is AdapterKind.HF and self.model.cache is None:
+                raise ValueError(
+                    f"lora.adapters[{adapter.name}]: hf:// adapters are downloaded into the model "
+                    "cache; set spec.model.cache (or serve the adapter from pvc:// or file://)"
+                )
         if self.routing.enabled and len(self.ref.name) > MAX_ROUTED_NAME:
             raise ValueError(
                 f"metadata.name must be at most {MAX_ROUTED_NAME} characters with routing "

@@ -30,6 +30,8 @@ when the Deployment's replica count last changed, from what to what, ``Up`` or `
 (the commit, bytes and files the Job verified) or ``Failed``; a failed Job (or one whose pod
 cannot start) is also ``Degraded`` with reason ``ModelCacheFailed`` and the Job's last message.
 
+``adapters`` and the ``AdaptersReady`` condition (only with ``spec.lora``): status/adapters.py.
+
 ``auth`` says what a client must send: ``APIKey`` (a bearer key from spec.apiKeySecretRef) or
 ``None``; a printer column shows it.
 
@@ -51,6 +53,11 @@ from quire_operator.observed.views import (
     JobView,
     PodView,
     PoolParent,
+)
+from quire_operator.status.adapters import (
+    AdapterObservation,
+    adapters_condition,
+    adapters_status,
 )
 
 # Container waiting reasons that mean the replica will not start without someone acting.
@@ -153,6 +160,8 @@ class Observation:
     held: int | None = None
     model_cache: CacheObservation | None = None  # None without spec.model.cache
     host_tier: HostTierObservation | None = None  # None without a host tier (or invalid spec)
+    # Each adapter of spec.lora (None without spec.lora, or for an invalid spec).
+    adapters: Sequence[AdapterObservation] | None = None
 
 
 def _deployment_problem(deployment: DeploymentView) -> Problem | None:
@@ -306,7 +315,10 @@ def _conditions(obs: Observation) -> list[ConditionRow]:
     zero = []
     if obs.scales_to_zero:
         zero = [_zero_condition(desired, ready, obs.held)]
-    return [ready_condition, progressing, degraded_condition, *routing, *zero]
+    lora = []
+    if obs.adapters:
+        lora = [ConditionRow("AdaptersReady", *adapters_condition(obs.adapters))]
+    return [ready_condition, progressing, degraded_condition, *routing, *zero, *lora]
 
 
 def _routing_status(routing: RoutingObservation) -> dict[str, Any]:
@@ -409,6 +421,8 @@ def build_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dic
         status["modelCache"] = _cache_status(obs.model_cache)
     if obs.host_tier is not None:
         status["hostTier"] = _host_tier_status(obs.host_tier)
+    if obs.adapters is not None:
+        status["adapters"] = adapters_status(obs.adapters)
     return status
 
 

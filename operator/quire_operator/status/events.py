@@ -2,9 +2,10 @@
 
 ``transitions`` is pure: it compares the status before and after a reconcile and names what a
 person looks for (a generation applied, a scale, a scale to and from zero, Ready or RoutingReady
-gained or lost, Degraded and why, the recovery). An unchanged status yields nothing, so a
-reconcile loop that finds the world as it was posts no Event: Events cannot flood.
-``EventRecorder`` posts them (core/v1 Events, the ones ``kubectl describe`` lists); an Event that
+gained or lost, Degraded and why, the recovery, a LoRA adapter failed or loaded everywhere). An
+unchanged status yields nothing, so a reconcile loop that finds the world as it was posts no
+Event: Events cannot flood. ``EventRecorder`` posts them (core/v1 Events, the ones ``kubectl
+describe`` lists); an Event that
 cannot be posted is logged and never fails a reconcile.
 """
 
@@ -95,6 +96,23 @@ def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Tra
     warning = (after.get("hostTier") or {}).get("warning")
     if warning and warning != (before.get("hostTier") or {}).get("warning"):
         found.append(Transition(WARNING, "HostTierMemory", warning))
+    found += _adapter_transitions(before, after)
+    return found
+
+
+def _adapter_transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Transition]:
+    """Per adapter of status.adapters: a Warning when it fails (or fails anew, with another
+    message), a Normal when it becomes loaded on every ready replica."""
+    old = {a.get("name"): a for a in before.get("adapters") or []}
+    found = []
+    for adapter in after.get("adapters") or []:
+        name, state, message = adapter["name"], adapter["state"], adapter.get("message", "")
+        was = old.get(name, {})
+        changed = was.get("state") != state
+        if state == "Failed" and (changed or was.get("message") != message):
+            found.append(Transition(WARNING, "AdapterFailed", f"adapter {name}: {message}"))
+        elif state == "Loaded" and changed:
+            found.append(Transition(NORMAL, "AdapterLoaded", f"adapter {name}: {message}"))
     return found
 
 
