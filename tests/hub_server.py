@@ -18,7 +18,9 @@ as on the Hub.
 Faults, for tests: ``corrupt`` serves other bytes (same size) for a path than the metadata
 promises; ``cut`` sends only the first half of a path's body on its next full GET and drops the
 connection; ``rate`` sends file bodies at that many bytes per second, as a slow link would.
-Counters (``requests``, ``body_bytes``) say what clients fetched.
+Counters (``requests``, ``body_bytes``) say what clients fetched. ``also_serve`` puts another
+``HubServer``'s repository behind the same endpoint (a model and its adapters on one mirror); that
+one answers its own paths and keeps its own counters.
 
 Ownership: the server thread owns the sockets; counters and faults are guarded by one lock.
 """
@@ -77,6 +79,7 @@ class HubServer:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
+    _others: dict[str, HubServer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for path in sorted(p for p in self.source.rglob("*") if p.is_file()):
@@ -106,6 +109,11 @@ class HubServer:
         with self._lock:
             return sum(self.body_bytes.values())
 
+    def also_serve(self, other: HubServer) -> HubServer:
+        """Answer ``other.repo``'s paths from ``other`` (not started itself); returns ``other``."""
+        self._others[other.repo] = other
+        return other
+
     def start(self, host: str = "127.0.0.1") -> HubServer:
         hub = self
 
@@ -134,6 +142,12 @@ class HubServer:
 
     def _handle(self, req: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(urlsplit(req.path).path)
+        for repo, other in self._others.items():
+            if path.startswith((f"/api/models/{repo}/", f"/{repo}/resolve/")) or path == (
+                f"/api/models/{repo}"
+            ):
+                other._handle(req, head)
+                return
         with self._lock:
             self.requests[f"{req.command} {path}"] += 1
         api = f"/api/models/{self.repo}/"

@@ -32,7 +32,10 @@ resolved and ``$(VAR)`` references in args expanded. ConfigMap and Secret volume
 under ``files_dir``, emptyDirs are empty directories there, and a PersistentVolumeClaim is the
 directory of the PersistentVolume bound to it (``hostPath`` or ``local``: the test made it, on
 this machine); any argument or environment value that names a path under a ``mountPath`` is
-pointed at the local directory. A claim not bound yet raises ``LaunchError`` (the runner
+pointed at the local directory. A directory that only holds mounts (``/adapters`` holding
+``/adapters/hf`` and ``/adapters/pvc/<claim>``) is made as a runtime composes a container's
+root: a local directory whose entries link to the mounts' local directories, so a process given
+that directory finds each mount under it. A claim not bound yet raises ``LaunchError`` (the runner
 retries, as a kubelet waits for the volume).
 
 Stdlib only; ``api`` is ``ControlPlane.request``'s shape: ``(method, path, body) -> (status,
@@ -133,19 +136,20 @@ def plan(
             env[LEADER_ADDRESS_ENV] = _pod_dns_ip(env[LEADER_ADDRESS_ENV], api)
         args = _expand([*container.get("command", [])[1:], *container.get("args", [])], env)
         mounted = _materialize_volumes(pod, container, api, files_dir)
+        parents = _mount_parents(mounted, files_dir / "root")
         if workload is Workload.DOWNLOAD:
             log = files_dir / "termination-log"
             log.touch()
             path = container.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
             mounted[path] = log
-            args = _rewrite_paths(args, mounted)
+            args = _rewrite_paths(args, mounted, parents)
             env = {name: _rewrite_paths([value], mounted)[0] for name, value in env.items()}
             # args are "-m quire_engine.hub_cache ...": this interpreter runs the module.
             argv = [sys.executable, *args]
             return Launch(
                 workload, argv, env, ip, 0, container=container["name"], termination_log=log
             )
-        args = _rewrite_paths(args, mounted)
+        args = _rewrite_paths(args, mounted, parents)
         if workload is Workload.ENGINE:
             port = int(_flag(args, "--port") or _container_port(container) or ENGINE_PORT)
             args = _set_flags(args, {"--host": ip, "--port": str(port)})
@@ -317,6 +321,24 @@ def _materialize_volumes(
     return mounted
 
 
+def _mount_parents(mounted: dict[str, Path], root: Path) -> dict[str, Path]:
+    """Each directory above a mount that is not under one itself (``/adapters``, not ``/``) ->
+    a local directory under ``root`` where the mounts below it are symbolic links."""
+    parents: dict[str, Path] = {}
+    for mount_path, local in mounted.items():
+        path = PurePosixPath(mount_path)
+        if any(str(above) in mounted for above in path.parents):
+            continue  # under another mount: found through it
+        link = root / path.relative_to("/")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(local)
+        for above in path.parents:
+            if str(above) != "/":
+                parents[str(above)] = root / above.relative_to("/")
+    return parents
+
+
 def _claim_directory(api: Api, namespace: str, claim: str) -> Path:
     """The local directory of the PersistentVolume bound to ``claim``."""
     found = _get(api, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
@@ -330,14 +352,18 @@ def _claim_directory(api: Api, namespace: str, claim: str) -> Path:
     return Path(source["path"])
 
 
-def _rewrite_paths(args: list[str], mounted: dict[str, Path]) -> list[str]:
-    """Point arguments (or ``--flag=`` values) under a mountPath at the local copy."""
+def _rewrite_paths(
+    args: list[str], mounted: dict[str, Path], parents: dict[str, Path] | None = None
+) -> list[str]:
+    """Point arguments (or ``--flag=`` values) under a mountPath at the local copy, and those
+    naming exactly a directory above mounts (``_mount_parents``) at its local tree."""
 
     def local(value: str) -> str:
         for mount_path, directory in sorted(mounted.items(), key=lambda m: -len(m[0])):
             if value == mount_path or value.startswith(f"{mount_path}/"):
                 return str(directory) + value[len(mount_path) :]
-        return value
+        found = (parents or {}).get(value.rstrip("/"))
+        return value if found is None else str(found)
 
     out = []
     for arg in args:

@@ -264,8 +264,12 @@ def _routing_condition(obs: Observation, routing: RoutingObservation) -> Conditi
 
 
 def _conditions(obs: Observation) -> list[ConditionRow]:
-    """Ready, Progressing, Degraded and, with routing, RoutingReady."""
-    routing = [] if obs.routing is None else [_routing_condition(obs, obs.routing)]
+    """Ready, Progressing, Degraded and, with routing, RoutingReady; with adapters,
+    AdaptersReady."""
+    # The conditions present only with their spec section.
+    optional = [] if obs.routing is None else [_routing_condition(obs, obs.routing)]
+    if obs.adapters:
+        optional.append(ConditionRow("AdaptersReady", *adapters_condition(obs.adapters)))
     degraded = obs.problem
     deployment = obs.deployment
     if deployment is None:
@@ -274,7 +278,7 @@ def _conditions(obs: Observation) -> list[ConditionRow]:
             ConditionRow("Ready", False, why.reason, why.message),
             ConditionRow("Progressing", False, why.reason, why.message),
             ConditionRow("Degraded", degraded is not None, why.reason, why.message),
-            *routing,
+            *optional,
         ]
     desired, ready = deployment.desired, deployment.ready
     degraded = (
@@ -315,10 +319,7 @@ def _conditions(obs: Observation) -> list[ConditionRow]:
     zero = []
     if obs.scales_to_zero:
         zero = [_zero_condition(desired, ready, obs.held)]
-    lora = []
-    if obs.adapters:
-        lora = [ConditionRow("AdaptersReady", *adapters_condition(obs.adapters))]
-    return [ready_condition, progressing, degraded_condition, *routing, *zero, *lora]
+    return [ready_condition, progressing, degraded_condition, *optional, *zero]
 
 
 def _routing_status(routing: RoutingObservation) -> dict[str, Any]:
