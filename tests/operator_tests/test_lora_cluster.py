@@ -121,8 +121,8 @@ def test_adapters_are_loaded_unloaded_and_restored_on_every_replica(
     files: dict[str, Path],
 ) -> None:
     storage_class, directory = volume
-    secret = {"metadata": {"name": "lora-key"}, "data": {"key": base64.b64encode(KEY.encode())}}
-    secret["data"]["key"] = secret["data"]["key"].decode()
+    encoded = base64.b64encode(KEY.encode()).decode()
+    secret = {"metadata": {"name": "lora-key"}, "data": {"key": encoded}}
     cluster.core.create_namespaced_secret(namespace, secret)  # type: ignore[arg-type]  # dict body
     operators.start()
     custom = ("quire.dev", "v1alpha1", namespace, "inferenceservices")
@@ -152,7 +152,7 @@ def test_adapters_are_loaded_unloaded_and_restored_on_every_replica(
     assert condition(isvc, "Ready")["status"] == "True"  # the others keep serving
     events = cluster.core.list_namespaced_event(namespace).items
     failed = [e for e in events if e.reason == "AdapterFailed"]
-    assert failed and failed[0].message.startswith("adapter wide: pod "), failed
+    assert failed and (failed[0].message or "").startswith("adapter wide: pod "), failed
 
     engines = {proc.pod: proc for proc in runner.engines()}
     assert set(engines) == set(found["lyon"]["loadedOn"]), (engines, found)
