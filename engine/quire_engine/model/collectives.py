@@ -48,6 +48,18 @@ class Collectives:
         self.world = world
         self.comm_seconds = 0.0
         self.calls = 0
+        self._closed = False
+
+    def close(self) -> None:
+        """Drop the process group now (its gloo threads or NCCL communicators go with it), not
+        whenever the last module holding this object is collected: a group left to interpreter
+        exit can hang it. A collective after this raises."""
+        self.group, self._closed = None, True
+
+    def _live(self) -> C10dGroup | None:
+        if self._closed:
+            raise RuntimeError("the tensor-parallel group is closed (the engine was closed)")
+        return self.group
 
     def split(self, total: int) -> Shard:
         """This rank's contiguous share of ``total`` rows: ``ceil(total / world)`` each."""
@@ -57,12 +69,13 @@ class Collectives:
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In place: the element-wise sum (or ``op``, a ``ReduceOp``) over the ranks."""
-        if self.group is None:
+        group = self._live()
+        if group is None:
             return tensor
         started = time.perf_counter()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.group.allreduce([tensor], opts).wait()
+        group.allreduce([tensor], opts).wait()
         self.comm_seconds += time.perf_counter() - started
         self.calls += 1
         return tensor
@@ -70,11 +83,12 @@ class Collectives:
     def all_gather_last(self, tensor: torch.Tensor, width: int) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` [..., per] along the last dimension and keep the
         first ``width`` columns (the shares are padded to ``per`` columns each)."""
-        if self.group is None:
+        group = self._live()
+        if group is None:
             return tensor[..., :width]
         started = time.perf_counter()
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
-        self.group.allgather([parts], [tensor.contiguous()]).wait()
+        group.allgather([parts], [tensor.contiguous()]).wait()
         self.comm_seconds += time.perf_counter() - started
         self.calls += 1
         return torch.cat(parts, dim=-1)[..., :width]

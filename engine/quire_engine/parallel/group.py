@@ -85,6 +85,7 @@ class WorkerGroup:
             remote=config if several else None,
         )
         store = self._rendezvous.store
+        assert store is not None  # closed only by close()
         ctx = mp.get_context("spawn")
         for rank in range(1, local):
             spec = worker.RankSpec(
@@ -198,7 +199,6 @@ class WorkerGroup:
                 pass
         self._conns = []
         self._remote = {}
-        self._rendezvous.close()
         deadline = time.monotonic() + _STOP_GRACE_S
         for proc in self._procs:
             proc.join(max(deadline - time.monotonic(), 0.0))
@@ -206,3 +206,8 @@ class WorkerGroup:
                 proc.kill()
                 proc.join(1.0)
         self._procs = []
+        # The workers are gone: rank 0's group and then the store it was built on go now.
+        comm = getattr(self, "comm", None)
+        if comm is not None:
+            comm.close()
+        self._rendezvous.close()

@@ -82,7 +82,7 @@ class Rendezvous:
         self.host = local_address(host)  # where node 0's own ranks reach the store
         self._store_socket = _listen(host, port)
         self.port = self._store_socket.getsockname()[1]
-        self.store = dist.TCPStore(
+        self.store: dist.TCPStore | None = dist.TCPStore(
             self.host,
             self.port,
             world,
@@ -94,6 +94,7 @@ class Rendezvous:
         self._plans: socket.socket | None = None
         self._token = secrets.token_hex(16)
         if remote is not None:
+            assert self.store is not None
             self.store.set(CONFIG_KEY, pickle.dumps(remote))  # type: ignore[arg-type]
             self._plans = _listen(host, 0)
             self.store.set(PLAN_KEY, f"{self._plans.getsockname()[1]} {self._token}")
@@ -157,6 +158,12 @@ class Rendezvous:
         if self._plans is not None:
             self._plans.close()
             self._plans = None
+        # The store's server thread stops when the object goes (nothing else holds it once the
+        # group is closed); left to interpreter exit, it can hang it. The store owns the
+        # listening descriptor it was given and closes it as it goes.
+        if self.store is not None:
+            self._store_socket.detach()
+            self.store = None
         self._store_socket.close()
 
 

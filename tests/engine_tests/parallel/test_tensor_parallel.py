@@ -11,6 +11,7 @@ transformers) and the same preemption / prefix-cache assertions. Llama at TP=2 r
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,28 @@ def test_tiny_model_matches_one_rank() -> None:
         got = [r.outputs[0].token_ids for r in two.generate(prompts, params)]
         assert two.kv_cache_stats().used == 0
     assert got == expected
+
+
+def _group_threads() -> list[str]:
+    """This process's threads of c10d stores and gloo groups (their names, from /proc)."""
+    tasks = Path("/proc/self/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir() if task.is_dir()]
+    return sorted(name for name in names if name.startswith(("pt_tcpstore", "pt_gloo")))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names from Linux /proc")
+def test_closing_the_engine_stops_its_store_and_group_threads() -> None:
+    """Rank 0's store and gloo group live in the engine's process: closing the engine stops
+    their threads at once (left to interpreter exit, they have hung pytest after its summary)."""
+    before = _group_threads()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with LLM("tiny", device="cpu", num_blocks=64, max_model_len=128, tensor_parallel_size=2) as llm:
+        llm.generate(["Hello"], params)
+        assert len(_group_threads()) > len(before)  # what this test watches exists
+    deadline = time.monotonic() + 30
+    while _group_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_threads() == before
 
 
 def test_heads_that_do_not_split_are_refused(model_dirs: dict[str, Path]) -> None:
