@@ -284,11 +284,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         knobs.check(self)
-        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_lora with tensor_parallel_size > 1 is not served yet: adapters run on "
-                "one rank"
-            )
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any] | None = None, **kwargs: Any) -> EngineConfig:

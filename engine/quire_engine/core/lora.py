@@ -6,7 +6,9 @@ identifies the adapter everywhere inside the engine (0 is the base model, ``BASE
 sequences carry it (``Sequence.lora_id``), the prefix cache keys blocks by it (an adapter changes
 every layer's K/V, so two adapters never share a block, nor an adapter and the base), and the
 scheduler admits a sequence only while the distinct adapters of the running sequences stay within
-``max_loras`` (``AdapterSlots``), so every step fits the model side's slots.
+``max_loras`` (``AdapterSlots``), so every step fits the model side's slots. Under tensor
+parallelism the adapters rank 0 adds and removes reach the other ranks as ``AdapterChange``s in
+the next step's plan.
 """
 
 from __future__ import annotations
@@ -61,3 +63,13 @@ class AdapterSlots:
             return True
         active = {i for i in running if i != BASE}
         return lora_id in active or len(active) < self.max_loras
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterChange:
+    """One change to the adapters rank 0 serves, which every other tensor-parallel rank repeats
+    before its next step: ``request`` (re)loaded (its id's slot takes the new weights), or, when
+    None, adapter ``lora_id`` forgotten."""
+
+    lora_id: int
+    request: LoRARequest | None

@@ -116,7 +116,8 @@ def _load(
     if parallel is not None:
         runner.publish = parallel.publish
     if config.lora.enable_lora:
-        runner.lora = LoRAModel(loaded.model, config.lora, device)
+        # Under tensor parallelism the other ranks repeat this one's adapter changes.
+        runner.lora = LoRAModel(loaded.model, config.lora, device, record=parallel is not None)
     logger.info(
         "KV pool: %d blocks x %d tokens of %s (%s scales, %d bytes per token; %.1f MiB per "
         "rank), %d CPU swap blocks, %d host-tier blocks (%.1f MiB per rank), max_model_len %d, "

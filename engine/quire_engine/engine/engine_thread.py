@@ -36,7 +36,7 @@ from quire_engine.engine.metrics import EngineFacts, ServerMetrics
 from quire_engine.engine.recorder import StatsRecorder
 from quire_engine.engine.request_handle import EngineUnavailable
 from quire_engine.engine.startup import StartupPhase
-from quire_engine.model.lora import LoRAWeights
+from quire_engine.model.lora_files import LoRAWeights
 from quire_engine.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from quire_engine.engine.output_processor import OutputProcessor
 from quire_engine.engine.prompt_logprobs import PromptLogprobs
 from quire_engine.engine.startup import StartupTimes
 from quire_engine.engine.step_batch import GreedyBatch, PlannedBatch, StepBatch
-from quire_engine.model.lora import LoRAWeights
+from quire_engine.model.lora_files import LoRAWeights
 from quire_engine.model.sampler import greedy_tokens, sample
 from quire_engine.structured import matchers
 

@@ -1,14 +1,14 @@
-"""LoRA adapters on the model side: loading peft adapters, the step's adapter slots, and the
-batched low-rank update every targeted linear layer adds.
+"""LoRA adapters on the model side: the step's adapter slots, and the batched low-rank update
+every targeted linear layer adds.
 
-Ownership: ``LoRAModel`` owns the adapters' tensors of one model: a host LRU of up to
-``max_cpu_loras`` loaded adapters (``LoRAWeights``, read from their peft directories), the
-``max_loras`` slots a step reads (per targeted layer, A stacked as [slots, max_rank, in] and B as
-[slots, out, max_rank], zero-padded to ``max_lora_rank``; on CUDA ``kernels/lora_triton`` runs
-the update as one Triton shrink and expand per layer), and an instance ``forward`` on each
-targeted ``nn.Linear`` (over whatever forward it had: the native few-row kernel's included). The
-runner calls ``prepare`` before a step's forward with each sequence's adapter id, and ``finish``
-after it.
+Ownership: ``LoRAModel`` owns the adapters' tensors of one model (of one tensor-parallel rank):
+a host LRU of up to ``max_cpu_loras`` loaded adapters (``LoRAWeights``, read from their peft
+directories by ``lora_files``), the ``max_loras`` slots a step reads (per targeted layer, A
+stacked as [slots, max_rank, in] and B as [slots, out, max_rank], zero-padded to
+``max_lora_rank``; on CUDA ``kernels/lora_triton`` runs the update as one Triton shrink and
+expand per layer), and an instance ``forward`` on each targeted ``nn.Linear`` (over whatever
+forward it had: the native few-row kernel's included). The runner calls ``prepare`` before a
+step's forward with each sequence's adapter id, and ``finish`` after it.
 
 The update: for a linear y = x W^T (+ b), an adapter adds s * (x A^T) B^T with A [r, in],
 B [out, r] and s = lora_alpha / r (``use_rslora``: / sqrt(r)), peft's definition; s is folded
@@ -19,129 +19,34 @@ extra work. What is served: adapters on the linear layers of the decoder blocks 
 MLP projections; MoE experts are fused 3-D weights, not linear layers, and are refused), without
 DoRA, bias training, modules_to_save, per-layer patterns or fan_in_fan_out. Each is refused by
 name, before any request runs with it.
+
+Tensor parallelism: every rank has its own ``LoRAModel`` over its shard of the model, holding
+its shard of each adapter (``lora_files``). A column-parallel layer's update is local; a
+row-parallel layer's (``RowParallelLinear``) is added to the rank's partial product before the
+layer's all-reduce (``partial`` is wrapped, not ``forward``): the sum over ranks of
+(x_i A_i^T) B^T is the whole update, with no further communication. Rank 0's model records
+every adapter it adds or removes (``record``); the runner sends those ``AdapterChange``s in the
+next step's plan, and the other ranks ``follow`` them (each reading its own shard from the
+adapter's directory) before running it. Slots are then assigned by the same plans on every
+rank; a rank's slot numbers never leave it.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from quire_engine.core.config import LoRAConfig
-from quire_engine.core.lora import BASE, LoRARequest
+from quire_engine.core.lora import BASE, AdapterChange, LoRARequest
 from quire_engine.kernels.lora_triton import lora_expand, lora_shrink
 from quire_engine.kernels.triton_runtime import triton_usable
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-# adapter_config.json settings an adapter may carry only at these values (what peft writes for a
-# plain LoRA): anything else changes the computation beyond A and B.
-PLAIN: dict[str, tuple[Any, Any]] = {
-    "use_dora": (False, None),
-    "bias": ("none", None),
-    "fan_in_fan_out": (False, None),
-    "modules_to_save": (None, []),
-    "layers_to_transform": (None, []),
-    "rank_pattern": ({}, None),
-    "alpha_pattern": ({}, None),
-}
-
-
-@dataclass(frozen=True)
-class LoRAWeights:
-    """One adapter in host memory: per targeted module (the model's module name), A [r, in] and
-    the scaled B [out, r], in the model's dtype."""
-
-    request: LoRARequest
-    rank: int
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-def _targets(model: nn.Module) -> dict[str, nn.Linear]:
-    """The linear layers an adapter may target: those inside the decoder blocks."""
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and ".layers." in f".{name}"
-    }
-
-
-def load_adapter(
-    request: LoRARequest, targets: dict[str, nn.Linear], max_rank: int, dtype: torch.dtype
-) -> LoRAWeights:
-    """Read ``request``'s peft directory; ``ValueError`` naming what the engine cannot serve
-    (a missing file, a rank above ``max_rank``, a setting beyond plain LoRA, a module the model
-    lacks or whose shape differs: an adapter of another base model)."""
-    where = Path(request.lora_path)
-    config_path, weights_path = where / ADAPTER_CONFIG, where / ADAPTER_WEIGHTS
-    if not config_path.is_file() or not weights_path.is_file():
-        raise ValueError(
-            f"LoRA adapter {request.lora_name!r}: {where} must hold {ADAPTER_CONFIG} and "
-            f"{ADAPTER_WEIGHTS} (a peft adapter directory)"
-        )
-    try:
-        config: dict[str, Any] = json.loads(config_path.read_text())
-        rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: bad {config_path}: {err}") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: peft_type {config['peft_type']}")
-    for key, allowed in PLAIN.items():
-        if config.get(key) not in allowed:
-            raise ValueError(
-                f"LoRA adapter {request.lora_name!r}: {key}={config.get(key)!r} is not served "
-                "(plain LoRA on linear layers only)"
-            )
-    if not 1 <= rank <= max_rank:
-        raise ValueError(
-            f"LoRA adapter {request.lora_name!r} has rank {rank}; max_lora_rank is {max_rank}"
-        )
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = load_file(str(weights_path))
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        stem, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-        if part not in ("A.weight", "B.weight"):
-            raise ValueError(f"LoRA adapter {request.lora_name!r}: unexpected tensor {key!r}")
-        pairs.setdefault(stem, {})[part[0]] = tensor
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, pair in sorted(pairs.items()):
-        module = targets.get(name)
-        if module is None:
-            raise ValueError(
-                f"LoRA adapter {request.lora_name!r} targets {name!r}, not a linear layer of "
-                "this model's decoder blocks (another base model, or an embedding or lm_head)"
-            )
-        a, b = pair.get("A"), pair.get("B")
-        out_features, in_features = module.weight.shape
-        if (
-            a is None
-            or b is None
-            or a.shape != (rank, in_features)
-            or b.shape
-            != (
-                out_features,
-                rank,
-            )
-        ):
-            raise ValueError(
-                f"LoRA adapter {request.lora_name!r}: {name}'s A/B do not fit the model's "
-                f"[{out_features}, {in_features}] weight at rank {rank} (another base model?)"
-            )
-        modules[name] = (a.to(dtype), (b.float() * scale).to(dtype))
-    if not modules:
-        raise ValueError(f"LoRA adapter {request.lora_name!r} holds no LoRA weights")
-    return LoRAWeights(request, rank, modules)
+from quire_engine.model.lora_files import LoRAWeights, load_adapter, targets
+from quire_engine.model.sharding import RowParallelLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,18 +61,27 @@ class _Group:
 class LoRAModel:
     """See the module docstring. Not thread-safe: the engine thread alone calls it."""
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, device: torch.device, *, record: bool = False
+    ) -> None:
+        """``record``: keep the ``AdapterChange``s other tensor-parallel ranks must repeat
+        (rank 0 of a group; ``take_changes`` hands them over)."""
         self.config = config
-        self.targets = _targets(model)
+        self.targets = targets(model)
         self.dtype = next(model.parameters()).dtype
         slots, rank = config.max_loras, config.max_lora_rank
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        for name, module in self.targets.items():
-            out_features, in_features = module.weight.shape
+        for name, target in self.targets.items():
+            out_features, in_features = target.local_shape
             self.a[name] = torch.zeros(slots, rank, in_features, dtype=self.dtype, device=device)
             self.b[name] = torch.zeros(slots, out_features, rank, dtype=self.dtype, device=device)
-            module.forward = self._wrap(name, module.forward)  # type: ignore[method-assign,assignment]
+            module = target.module
+            if isinstance(module, RowParallelLinear):  # before the all-reduce
+                module.partial = self._wrap(name, module.partial)  # type: ignore[method-assign,assignment]
+            else:
+                module.forward = self._wrap(name, module.forward)  # type: ignore[method-assign,assignment]
+        self._changes: list[AdapterChange] | None = [] if record else None
         self.requests: dict[int, LoRARequest] = {}  # every adapter added, by lora_int_id
         self.loaded: OrderedDict[int, LoRAWeights] = OrderedDict()  # host LRU, oldest first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU order
@@ -195,8 +109,10 @@ class LoRAModel:
         if known is None and not self.autoload:
             raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded")
         weights = self.loaded.get(request.lora_int_id)
-        if weights is None:
+        if weights is None and known is None:
             weights = self.insert(self.load(request))
+        elif weights is None:  # dropped by the host LRU: its files again, its slot still good
+            weights = self._keep(self.load(request))
         self.loaded.move_to_end(request.lora_int_id)
         return weights
 
@@ -215,11 +131,18 @@ class LoRAModel:
                 f"{weights.request.lora_name!r} needs another id"
             )
         self.requests[lora_id] = weights.request
-        self.loaded[lora_id] = weights
-        self.loaded.move_to_end(lora_id)
         slot = self.slot_of.pop(lora_id, None)  # reloaded: the slot takes the new weights
         if slot is not None:
             self.slot_rank[slot] = 0
+        if self._changes is not None:
+            self._changes.append(AdapterChange(lora_id, weights.request))
+        return self._keep(weights)
+
+    def _keep(self, weights: LoRAWeights) -> LoRAWeights:
+        """Put an added adapter's weights in the host LRU, dropping the oldest beyond it."""
+        lora_id = weights.request.lora_int_id
+        self.loaded[lora_id] = weights
+        self.loaded.move_to_end(lora_id)
         while len(self.loaded) > self.config.cpu_loras:
             self.loaded.popitem(last=False)
         return weights
@@ -235,7 +158,28 @@ class LoRAModel:
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
             self.slot_rank[slot] = 0
-        return self.requests.pop(lora_id, None) is not None
+        known = self.requests.pop(lora_id, None) is not None
+        if known and self._changes is not None:
+            self._changes.append(AdapterChange(lora_id, None))
+        return known
+
+    def take_changes(self) -> tuple[AdapterChange, ...]:
+        """The adapters added and removed since the last call, in order (rank 0 of a
+        tensor-parallel group: for the next step's plan); () when not recording."""
+        if not self._changes:
+            return ()
+        changes, self._changes = tuple(self._changes), []
+        return changes
+
+    def follow(self, changes: Sequence[AdapterChange]) -> None:
+        """Repeat rank 0's adapter changes on this rank (another tensor-parallel rank, before
+        running the plan that carries them): each adapter added is read again, this rank's
+        shard of it."""
+        for change in changes:
+            if change.request is None:
+                self.remove(change.lora_id)
+            else:
+                self.insert(self.load(change.request))
 
     def _weights(self, lora_id: int) -> LoRAWeights:
         request = self.requests.get(lora_id)

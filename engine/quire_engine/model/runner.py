@@ -13,6 +13,7 @@ as one native call instead of the model's modules (``cpu/decoder``), on the same
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from quire_engine.core.lora import AdapterChange
 from quire_engine.core.scheduler import PromptLogitSpan, SchedulerOutput
 from quire_engine.cpu import decoder as decoder_cpu
 from quire_engine.cpu import linear as linear_cpu
@@ -238,8 +240,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampling_seqs + prompt rows, vocab]: the
         sampling rows in batch order, then the rows of ``prompt_spans`` in their order."""
-        plan = plan_step(out, prompt_spans, lora=self.lora is not None)
+        lora = self.lora
+        plan = plan_step(out, prompt_spans, lora=lora is not None)
         if self.publish is not None:
+            if lora is not None:  # the adapters the other ranks must add or remove first
+                plan = dataclasses.replace(plan, adapters=lora.take_changes())
             self.publish(plan)
         return self.run(plan)
 
@@ -416,7 +421,8 @@ def build_step_inputs(out: SchedulerOutput, *, lora: bool = False) -> StepInputs
 class StepPlan:
     """Everything a rank needs to run one step, as plain host data (picklable: under tensor
     parallelism rank 0 sends it to the other ranks). ``keep``: the rows of logits to compute
-    when prompt logprobs add rows; None for the sampling rows alone."""
+    when prompt logprobs add rows; None for the sampling rows alone. ``adapters``: the adapter
+    changes rank 0 made since its last plan, which the other ranks repeat before running it."""
 
     inputs: StepInputs
     keep: np.ndarray | None  # int64 [rows]
@@ -425,6 +431,7 @@ class StepPlan:
     block_copies: list[tuple[int, int]]
     offload: Sequence[tuple[int, int]] = ()  # (device, host): host-tier offloads
     load: Sequence[tuple[int, int]] = ()  # (host, device): host-tier loads
+    adapters: Sequence[AdapterChange] = ()
 
 
 def plan_step(

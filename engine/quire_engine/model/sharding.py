@@ -18,6 +18,9 @@ slice of the weights (read by name from a ``WeightSource``):
 * mixture-of-experts blocks (``moe``): every expert column-/row-parallel over its intermediate
   dimension, the router replicated, one all-reduce of the block's output.
 
+Every sharded linear layer carries its ``LinearShard`` (attribute ``tp_shard``): the whole
+layer's shape and this rank's slices of it, what a LoRA adapter's A or B is cut by (``lora_files``).
+
 Attention layers reshape their projections with ``-1`` heads, so they run on this rank's heads
 unchanged (Phi-3 reads the query width from its config: it gets a copy with local head counts).
 KV heads are split across ranks, or replicated when there are more ranks than KV heads (each rank
@@ -28,6 +31,7 @@ not divide, expert intermediate sizes the ranks do not divide.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -89,17 +93,41 @@ def local_kv_heads(cfg: Any, world: int) -> int:
     return max(kv // world, 1)
 
 
+@dataclass(frozen=True, slots=True)
+class LinearShard:
+    """How one linear layer of the whole model is split on this rank: ``dim`` 0 column-parallel
+    (``parts``: its output rows here, concatenated), 1 row-parallel (``parts``: its input
+    columns here); ``out_features`` x ``in_features``: the whole layer's weight."""
+
+    dim: int
+    parts: tuple[Shard, ...]
+    out_features: int
+    in_features: int
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A plain ``nn.Linear`` of this rank's output rows (no communication), tagged."""
+
+    tp_shard: LinearShard
+
+
 class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_local @ W_local^T) + b``: this rank's input columns of ``W``."""
+    """``y = all_reduce(x_local @ W_local^T) + b``: this rank's input columns of ``W``. The
+    local product is ``partial`` (what a LoRA update adds to, before the all-reduce)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Collectives) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in_local]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.comm = comm
+        self.tp_shard: LinearShard | None = None
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``x W^T``: [..., T, in_local] -> [..., T, out]."""
+        return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(self.partial(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -193,18 +221,25 @@ class _Plan:
         # A tied LM head is the embedding's matrix (the checkpoint stores it once).
         self.head_name = self.embed_name if getattr(cfg, "tie_word_embeddings", False) else None
 
-    def column(self, name: str, linear: nn.Linear, parts: tuple[Shard, ...]) -> nn.Linear:
+    def column(
+        self, name: str, linear: nn.Linear, parts: tuple[Shard, ...]
+    ) -> ColumnParallelLinear:
         weight = self.source.read(f"{name}.weight", 0, parts)
-        out = nn.Linear(weight.shape[1], weight.shape[0], linear.bias is not None, device="meta")
+        out = ColumnParallelLinear(
+            weight.shape[1], weight.shape[0], linear.bias is not None, device="meta"
+        )
         out.weight = nn.Parameter(weight, requires_grad=False)
         if linear.bias is not None:
             out.bias = nn.Parameter(self.source.read(f"{name}.bias", 0, parts), requires_grad=False)
+        out.tp_shard = LinearShard(0, parts, linear.out_features, linear.in_features)
         return out
 
     def row(self, name: str, linear: nn.Linear, cols: Shard) -> RowParallelLinear:
         weight = self.source.read(f"{name}.weight", 1, (cols,))
         bias = self.source.read(f"{name}.bias") if linear.bias is not None else None
-        return RowParallelLinear(weight, bias, self.comm)
+        out = RowParallelLinear(weight, bias, self.comm)
+        out.tp_shard = LinearShard(1, (cols,), linear.out_features, linear.in_features)
+        return out
 
     def replace(self, name: str, attr: str, child: nn.Module) -> nn.Module | None:
         q, kv = self.q_rows, self.kv_rows

@@ -3,7 +3,8 @@
 It joins the group, loads its shard of the model (``loader.load`` with its ``Collectives``),
 sizes its KV pool with the others (``plan_cache``), then runs every ``StepPlan`` rank 0 sends,
 in order, through its own ``ModelRunner``: the same block moves and the same forward pass as
-rank 0, whose all-reduces it takes part in. It owns nothing else: no scheduler, no sampler.
+rank 0, whose all-reduces it takes part in, after repeating the plan's adapter changes on its
+own ``LoRAModel`` (its shard of each adapter). It owns nothing else: no scheduler, no sampler.
 
 The plans come over a pipe from rank 0 when this rank lives on node 0 (rank 0 spawned it), and
 over a TCP connection to node 0 (``rendezvous.connect_plans``) when it lives on another node.
@@ -26,6 +27,7 @@ from quire_engine.cpu import bf16 as bf16_cpu
 from quire_engine.model import loader
 from quire_engine.model.cache_plan import plan_cache
 from quire_engine.model.collectives import Collectives, new_group
+from quire_engine.model.lora import LoRAModel
 from quire_engine.model.runner import ModelRunner
 from quire_engine.parallel import rendezvous
 
@@ -81,6 +83,8 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
     )
     cache = plan_cache(config, loaded, device, dtype, comm)
     runner = ModelRunner.from_plan(loaded, cache, device, native_linears=False)
+    if config.lora.enable_lora:  # its shard of rank 0's adapters, changed as the plans say
+        runner.lora = LoRAModel(loaded.model, config.lora, device)
     logger.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
     while True:
         try:
@@ -91,4 +95,7 @@ def main(spec: RankSpec, config: EngineConfig, conn: Connection | None) -> None:
             return
         if plan is None:
             return
+        if plan.adapters:
+            assert runner.lora is not None, "adapter changes for a rank without LoRA"
+            runner.lora.follow(plan.adapters)
         runner.run(plan)

@@ -272,5 +272,3 @@ def test_bad_adapters_are_refused_before_anything_runs(workdir: Path) -> None:
         assert llm.kv_cache_stats().used == 0
     with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
         LoRARequest("x", 0, "/tmp")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        LLM(str(base), enable_lora=True, tensor_parallel_size=2)
