@@ -14,6 +14,8 @@
   removed, once the e2e tests are done, so later tests see a cluster without LeaderWorkerSets.
 - ``scenario`` (function): makes ``scaling_scenario.Scenario`` objects with an operator that
   knows the Prometheus address, and closes them (engines, load) after the test.
+- ``fleet`` (function): makes ``routed_fleet.RoutedFleet`` objects (an InferenceService routed
+  through an InferencePool, its engines and picker running) and closes them after the test.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from tests.cluster.client import ClusterHandle
     from tests.cluster.lws import LwsStack
     from tests.cluster.routing import RoutingStack
+    from tests.e2e.routed_fleet import RoutedFleet
     from tests.e2e.scaling_scenario import Scenario
     from tests.operator_tests.operator_process import Operators
 
@@ -124,6 +127,44 @@ def scenario(
             created.close()
             _SCENARIOS.remove(created)
             _save_timeline(created.timeline.as_json())
+
+
+@pytest.fixture
+def fleet(
+    cluster: ClusterHandle, routing: RoutingStack, namespace: str, operators: Operators
+) -> Iterator[Callable[..., RoutedFleet]]:
+    """``fleet(name, replicas, **engine)`` -> a RoutedFleet whose engines and picker serve."""
+    from tests.e2e.routed_fleet import RoutedFleet
+
+    operators.start()  # after `routing`: the InferencePool CRD is served when it starts
+    made: list[RoutedFleet] = []
+    routing_stack = routing  # ``routing`` below is the InferenceService's routing settings
+
+    def make(
+        name: str,
+        replicas: int,
+        *,
+        num_blocks: int,
+        max_num_seqs: int,
+        routing: dict[str, Any] | None = None,
+        engine: dict[str, Any] | None = None,
+    ) -> RoutedFleet:
+        created = RoutedFleet(cluster, routing_stack, namespace, name)
+        made.append(created)
+        created.create(
+            replicas,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            routing=routing,
+            engine=engine,
+        )
+        return created
+
+    try:
+        yield make
+    finally:
+        for created in made:
+            created.close()
 
 
 _TIMELINES: list[str] = []  # rendered, for the terminal summary

@@ -18,7 +18,9 @@ def tiny_inference_service(
     **spec: Any,
 ) -> dict[str, Any]:
     """``spec`` adds top-level fields (``replicas``, ``autoscaling``, ``routing``); ``engine``
-    adds ``spec.engine`` fields."""
+    adds ``spec.engine`` fields, its ``extraArgs`` after ``--num-blocks``."""
+    engine = dict(engine or {})
+    extra_args = ["--num-blocks", str(num_blocks), *engine.pop("extraArgs", ())]
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceService",
@@ -29,8 +31,8 @@ def tiny_inference_service(
                 "dtype": "float32",
                 "maxNumSeqs": max_num_seqs,
                 "maxModelLen": max_model_len,
-                "extraArgs": ["--num-blocks", str(num_blocks)],
-                **(engine or {}),
+                "extraArgs": extra_args,
+                **engine,
             },
             "resources": {"gpus": 0, "requests": {"cpu": "100m", "memory": "256Mi"}},
             **spec,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.client import ClusterHandle
@@ -166,6 +167,23 @@ class RoutedFleet:
         return epp
 
 
+def client(gateway: Gateway, timeout: float = 60.0) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=timeout
+    )
+
+
+def first_answer(gateway: Gateway, model: str) -> None:
+    """The picker routes once it has listed the pool's pods and scraped them."""
+    wait_until(
+        lambda: client(gateway, 30).completions.create(model=model, prompt="hi", max_tokens=1),
+        timeout=120,
+        interval=0.5,
+        message=lambda: "a completion through the gateway\n" + "\n".join(gateway.access_log()[-5:]),
+        ignore=(openai.APIStatusError, openai.APIConnectionError),
+    )
+
+
 def access_log(
     gateway: Gateway, ids: Collection[str] = (), at_least: int = 0, timeout: float = 60.0
 ) -> list[AccessLine]:
@@ -205,6 +223,18 @@ def engine_metrics(engine: PodProcess) -> dict[str, float]:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
+
+
+def engine_series(engine: PodProcess, sample: str, label: str) -> dict[str, float]:
+    """The engine's ``sample`` by the value of its ``label`` (summed over its other labels)."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample:
+                values[s.labels[label]] = values.get(s.labels[label], 0.0) + s.value
+    return values
 
 
 def served(engine: PodProcess) -> float:

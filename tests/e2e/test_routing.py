@@ -15,7 +15,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -23,77 +23,24 @@ import pytest
 
 from quire_engine.bench import route
 from quire_engine.cli import build_parser
-from tests.cluster.client import ClusterHandle
-from tests.cluster.gateway import Gateway, GatewayConfig
+from tests.cluster.gateway import GatewayConfig
 from tests.cluster.routing import RoutingStack
 from tests.e2e.routed_fleet import (
     RoutedFleet,
     access_log,
+    client,
     engine_metrics,
+    first_answer,
     save_report,
     served,
 )
 from tests.e2e.scaling_scenario import Scenario
-from tests.operator_tests.operator_process import Operators
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # After a replica dies or the picker goes, how soon the fleet must be whole again.
 RECOVERY_S = 15.0
-
-
-@pytest.fixture
-def fleet(
-    cluster: ClusterHandle, routing: RoutingStack, namespace: str, operators: Operators
-) -> Iterator[Callable[..., RoutedFleet]]:
-    """``fleet(name, replicas, **engine)`` -> a RoutedFleet whose engines and picker serve."""
-    operators.start()  # after `routing`: the InferencePool CRD is served when it starts
-    made: list[RoutedFleet] = []
-    routing_stack = routing  # ``routing`` below is the InferenceService's routing settings
-
-    def make(
-        name: str,
-        replicas: int,
-        *,
-        num_blocks: int,
-        max_num_seqs: int,
-        routing: dict[str, Any] | None = None,
-        engine: dict[str, Any] | None = None,
-    ) -> RoutedFleet:
-        created = RoutedFleet(cluster, routing_stack, namespace, name)
-        made.append(created)
-        created.create(
-            replicas,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            routing=routing,
-            engine=engine,
-        )
-        return created
-
-    try:
-        yield make
-    finally:
-        for created in made:
-            created.close()
-
-
-def client(gateway: Gateway, timeout: float = 60.0) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=timeout
-    )
-
-
-def first_answer(gateway: Gateway, model: str) -> None:
-    """The picker routes once it has listed the pool's pods and scraped them."""
-    wait_until(
-        lambda: client(gateway, 30).completions.create(model=model, prompt="hi", max_tokens=1),
-        timeout=120,
-        interval=0.5,
-        message=lambda: "a completion through the gateway\n" + "\n".join(gateway.access_log()[-5:]),
-        ignore=(openai.APIStatusError, openai.APIConnectionError),
-    )
 
 
 def test_prefix_affinity_doubles_the_fleets_prefix_hits_and_lowers_ttft(

@@ -146,7 +146,7 @@ def test_weights_and_failure_mode_changes_are_followed(
     start_routed(cluster, namespace, operators)
     before = read_child(cluster, namespace, ChildKey(Kind.DEPLOYMENT, PICKER))
 
-    weights = {"queue": 1, "kvCacheUtilization": 0, "prefixCache": 5}
+    weights = {"queue": 1, "kvCacheUtilization": 0, "prefixCache": 5, "loraAffinity": 4}
     patch_spec(
         cluster, namespace, {"routing": {"scorerWeights": weights, "failureMode": "FailOpen"}}
     )
@@ -157,6 +157,7 @@ def test_weights_and_failure_mode_changes_are_followed(
     assert profile["plugins"] == [
         {"pluginRef": "queue-scorer", "weight": 1},
         {"pluginRef": "prefix-cache-scorer", "weight": 5},
+        {"pluginRef": "lora-affinity-scorer", "weight": 4},
         {"pluginRef": "max-score-picker"},
     ]
     pool = read_child(cluster, namespace, POOL_KEY)
@@ -288,19 +289,24 @@ def test_gateway_reports_on_the_pool_reach_the_status(
         ({"mode": "InferencePool", "failureMode": "FailSoft"}, "bad",
          'spec.routing.failureMode: Unsupported value: "FailSoft": supported values: '
          '"FailClose", "FailOpen"'),
-        ({"scorerWeights": {"queue": 0, "kvCacheUtilization": 0, "prefixCache": 0}}, "bad",
+        ({"scorerWeights": {"queue": 0, "kvCacheUtilization": 0, "prefixCache": 0,
+                            "loraAffinity": 0}}, "bad",
          'spec.routing.scorerWeights: Invalid value: at least one scorer weight '
          "must be above 0"),
         ({"scorerWeights": {"prefixCache": 101}}, "bad",
          "spec.routing.scorerWeights.prefixCache: Invalid value: 101: "
          "spec.routing.scorerWeights.prefixCache in body should be less than or equal to 100"),
+        ({"scorerWeights": {"loraAffinity": -1}}, "bad",
+         "spec.routing.scorerWeights.loraAffinity: Invalid value: -1: "
+         "spec.routing.scorerWeights.loraAffinity in body should be greater than or equal to 0"),
         ({"endpointPicker": {"resources": {"requests": {"cpu": "lots"}}}}, "bad",
          'spec.routing.endpointPicker.resources.requests.cpu: Invalid value: "lots": '
          "must be a quantity"),
         ({"mode": "InferencePool"}, "n" * 60,
          "metadata.name must be at most 59 characters with spec.routing.mode InferencePool"),
     ],
-    ids=["mode", "failure-mode", "all-weights-zero", "weight-101", "picker-cpu", "long-name"],
+    ids=["mode", "failure-mode", "all-weights-zero", "weight-101", "lora-weight-negative",
+         "picker-cpu", "long-name"],
 )  # fmt: skip
 def test_bad_routing_is_rejected_by_the_api_server(
     cluster: ClusterHandle,

@@ -22,6 +22,7 @@ from quire_operator.builders.endpoint_picker import (
     build_role,
     build_role_binding,
     build_service_account,
+    config_text,
     endpoint_picker_config,
     routing_children,
 )
@@ -55,7 +56,8 @@ EPP_METADATA = {
 EPP_IMAGE = f"registry.k8s.io/gateway-api-inference-extension/epp:{GIE_VERSION}"
 ENGINE_SELECTOR = {"app.kubernetes.io/name": "quire-engine", "app.kubernetes.io/instance": "tiny"}
 
-# GIE v1.5.0's default scheduling config, as its chart writes it, in our words.
+# GIE v1.5.0's default scheduling config, as its chart writes it, in our words, plus its
+# LoRA-affinity scorer (not in GIE's default profile) at Quire's default weight.
 DEFAULT_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -63,6 +65,7 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
+- type: lora-affinity-scorer
 - type: max-score-picker
 - type: metrics-data-source
   parameters:
@@ -80,6 +83,8 @@ schedulingProfiles:
   - pluginRef: kv-cache-utilization-scorer
     weight: 2
   - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: lora-affinity-scorer
     weight: 3
   - pluginRef: max-score-picker
 dataLayer:
@@ -120,7 +125,9 @@ def test_routing_is_off_by_default_and_builds_nothing() -> None:
 def test_crd_defaults_are_gies() -> None:
     routing = routed().routing
     assert routing.failure_mode is FailureMode.FAIL_CLOSE
-    assert routing.weights == ScorerWeights(queue=2, kv_cache_utilization=2, prefix_cache=3)
+    assert routing.weights == ScorerWeights(
+        queue=2, kv_cache_utilization=2, prefix_cache=3, lora_affinity=3
+    )
     assert routing.epp_requests == {"cpu": "500m", "memory": "512Mi"}
     assert routing.epp_limits == {"memory": "2Gi"}
 
@@ -201,7 +208,7 @@ def test_endpoint_picker_deployment_is_exactly_this() -> None:
             "template": {
                 "metadata": {
                     "labels": EPP_LABELS,
-                    "annotations": {"quire.dev/endpoint-picker-config": "9241faa26adfc43e"},
+                    "annotations": {"quire.dev/endpoint-picker-config": "a1bd74135f114e1f"},
                 },
                 "spec": {
                     "serviceAccountName": "tiny-epp",
@@ -350,7 +357,7 @@ def test_config_map_holds_gies_default_config() -> None:
 
 
 def test_weights_change_the_config_and_roll_the_picker() -> None:
-    weights = {"queue": 5, "kvCacheUtilization": 0, "prefixCache": 1}
+    weights = {"queue": 5, "kvCacheUtilization": 0, "prefixCache": 1, "loraAffinity": 0}
     isvc = routed({"scorerWeights": weights})
     config = yaml.safe_load(build_config_map(isvc)["data"]["config.yaml"])
     # A weight of 0 leaves its scorer out of both the plugins and the profile.
@@ -382,8 +389,40 @@ def test_weights_change_the_config_and_roll_the_picker() -> None:
     assert digest(routed()) == digest(routed())
 
 
+def test_lora_affinity_is_weighted_like_the_others_and_0_leaves_it_out() -> None:
+    def profile(weights: dict[str, int]) -> list[dict[str, Any]]:
+        config = yaml.safe_load(config_text(routed({"scorerWeights": weights})))
+        assert config["plugins"][-3]["type"] == "max-score-picker"
+        types = [p["type"] for p in config["plugins"][:-3]]
+        (default,) = config["schedulingProfiles"]
+        assert [p["pluginRef"] for p in default["plugins"][:-1]] == types
+        return list(default["plugins"][:-1])
+
+    # The spec's other weights set, loraAffinity not: the CRD's default (3) applies.
+    assert profile({"queue": 1, "kvCacheUtilization": 0, "prefixCache": 0}) == [
+        {"pluginRef": "queue-scorer", "weight": 1},
+        {"pluginRef": "lora-affinity-scorer", "weight": 3},
+    ]
+    assert profile({"loraAffinity": 7})[-1] == {"pluginRef": "lora-affinity-scorer", "weight": 7}
+    # Alone, it is a whole profile: base-model requests then score alike and spread at random.
+    assert profile({"queue": 0, "kvCacheUtilization": 0, "prefixCache": 0, "loraAffinity": 1}) == [
+        {"pluginRef": "lora-affinity-scorer", "weight": 1}
+    ]
+    assert "lora-affinity-scorer" not in config_text(routed({"scorerWeights": {"loraAffinity": 0}}))
+    # It reads vllm:lora_requests_info, which the extractor maps for engine-type vllm by default
+    # (and in the host tier's override, which repeats every spec).
+    tiered = endpoint_picker_config(ScorerWeights(), host_tier=True)
+    (override,) = tiered["plugins"][-1]["parameters"]["engineConfigs"]
+    assert override["loraSpec"] == "vllm:lora_requests_info"
+
+
 def test_every_plugin_a_profile_names_is_declared() -> None:
-    for weights in (ScorerWeights(), ScorerWeights(0, 0, 1), ScorerWeights(1, 1, 0)):
+    for weights in (
+        ScorerWeights(),
+        ScorerWeights(0, 0, 1, 0),
+        ScorerWeights(1, 1, 0),
+        ScorerWeights(0, 0, 0, 1),
+    ):
         config = endpoint_picker_config(weights)
         declared = {p["type"] for p in config["plugins"]}
         (profile,) = config["schedulingProfiles"]
@@ -413,9 +452,11 @@ def test_routing_objects_come_in_apply_order_with_the_pool_last() -> None:
 
 def test_routing_invariants_are_checked_without_the_crd() -> None:
     with pytest.raises(ValueError, match="at least one weight must be above 0"):
-        ScorerWeights(0, 0, 0)
+        ScorerWeights(0, 0, 0, 0)
     with pytest.raises(ValueError, match=r"must be 0\.\.100"):
         ScorerWeights(queue=101)
+    with pytest.raises(ValueError, match=r"must be 0\.\.100"):
+        ScorerWeights(lora_affinity=-1)
     long_name = "a" * 60
     spec = {**load_example()["spec"], "routing": {"mode": "InferencePool"}}
     with pytest.raises(ValueError, match="at most 59 characters"):

@@ -49,6 +49,9 @@ _POOL = Kind.INFERENCE_POOL
 QUEUE_SCORER = "queue-scorer"
 KV_CACHE_SCORER = "kv-cache-utilization-scorer"
 PREFIX_CACHE_SCORER = "prefix-cache-scorer"
+# Scores 1 where the request's adapter (its body's model) runs, 0.8 where the replica has a free
+# adapter slot, 0.6 where the adapter waits, 0 otherwise: read from vllm:lora_requests_info.
+LORA_AFFINITY_SCORER = "lora-affinity-scorer"
 PICKER = "max-score-picker"
 METRICS_SOURCE = "metrics-data-source"
 METRICS_EXTRACTOR = "core-metrics-extractor"
@@ -94,6 +97,10 @@ def endpoint_picker_config(weights: ScorerWeights, host_tier: bool = False) -> d
     the scorers with a weight above 0, the highest total score wins, and the engines' metrics
     scraped from ``/metrics`` with the vLLM metric names.
 
+    Plus GIE's LoRA-affinity scorer, which its default profile leaves out: it reads the
+    ``vllm:lora_requests_info`` the extractor already maps (``loraSpec``) and costs nothing on
+    replicas that serve no adapters (``max_lora`` 0: every replica scores 0).
+
     ``host_tier``: the replicas keep evicted prefixes in host memory. The prefix scorer's index
     (GIE's approximate prefix cache, ``autoTune`` on by default) keeps an LRU per replica as
     large as the replica's ``num_gpu_blocks``, so it would forget prefixes the replica still
@@ -106,6 +113,7 @@ def endpoint_picker_config(weights: ScorerWeights, host_tier: bool = False) -> d
             (QUEUE_SCORER, weights.queue),
             (KV_CACHE_SCORER, weights.kv_cache_utilization),
             (PREFIX_CACHE_SCORER, weights.prefix_cache),
+            (LORA_AFFINITY_SCORER, weights.lora_affinity),
         )
         if weight
     ]

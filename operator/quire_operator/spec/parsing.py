@@ -192,6 +192,7 @@ _WEIGHT_FIELDS = {
     "queue": "queue",
     "kvCacheUtilization": "kv_cache_utilization",
     "prefixCache": "prefix_cache",
+    "loraAffinity": "lora_affinity",
 }
 
 

@@ -261,14 +261,21 @@ MAX_ROUTED_NAME = 59
 
 @dataclass(frozen=True)
 class ScorerWeights:
-    """Weights of the Endpoint Picker's scorers (0 leaves a scorer out); defaults as GIE's."""
+    """Weights of the Endpoint Picker's scorers (0 leaves a scorer out); defaults as GIE's.
+
+    ``lora_affinity``: GIE's default profile has no LoRA scorer, so its default is Quire's.
+    It is above the queue scorer's, whose min-max normalised score gives a whole weight to
+    one waiting request: below it, one request waiting on a replica would send an adapter's
+    requests to a replica busy with another adapter, where they wait for its step to drain
+    (``--max-loras`` slots, first come first served)."""
 
     queue: int = 2
     kv_cache_utilization: int = 2
     prefix_cache: int = 3
+    lora_affinity: int = 3
 
     def __post_init__(self) -> None:
-        weights = (self.queue, self.kv_cache_utilization, self.prefix_cache)
+        weights = (self.queue, self.kv_cache_utilization, self.prefix_cache, self.lora_affinity)
         if any(not 0 <= w <= MAX_SCORER_WEIGHT for w in weights):
             raise ValueError(f"routing.scorerWeights must be 0..{MAX_SCORER_WEIGHT}: {weights}")
         if not any(weights):
