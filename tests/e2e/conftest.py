@@ -148,6 +148,7 @@ def fleet(
         max_num_seqs: int,
         routing: dict[str, Any] | None = None,
         engine: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> RoutedFleet:
         created = RoutedFleet(cluster, routing_stack, namespace, name)
         made.append(created)
@@ -157,6 +158,7 @@ def fleet(
             max_num_seqs=max_num_seqs,
             routing=routing,
             engine=engine,
+            lora=lora,
         )
         return created
 

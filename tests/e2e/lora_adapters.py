@@ -1,10 +1,9 @@
-"""Random LoRA adapters for the embedded ``tiny`` model, saved as peft adapter directories, and
-the engine flags that serve them.
+"""Random LoRA adapters for the embedded ``tiny`` model, saved as peft adapter directories.
 
 An adapter only has to fit the base model's shapes (the tiny Llama's config); its weights are
 random, as in tests/engine_tests/model/test_lora.py, since what the e2e tests check is where its
 requests go, not what it says. The directories are on the host, where the pod runner runs the
-engines, so an absolute path reaches them.
+engines, so a ``file://`` adapter of ``spec.lora`` reaches them.
 
 Ownership: ``make_tiny_adapters`` writes under the directory it is given (a pytest tmp path, which
 pytest owns and removes).
@@ -12,7 +11,7 @@ pytest owns and removes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,15 +37,3 @@ def make_tiny_adapters(out: Path, names: Sequence[str], rank: int = 8) -> dict[s
         model.save_pretrained(str(out / name))
         paths[name] = out / name
     return paths
-
-
-def static_lora_args(adapters: Mapping[str, Path], max_loras: int, max_rank: int) -> list[str]:
-    """``quire-engine serve`` flags serving ``adapters`` from the start (``spec.engine.extraArgs``
-    until the operator's ``spec.lora`` loads them itself)."""
-    modules = [f"{name}={path}" for name, path in adapters.items()]
-    return [
-        "--enable-lora",
-        "--max-loras", str(max_loras),
-        "--max-lora-rank", str(max_rank),
-        "--lora-modules", *modules,
-    ]  # fmt: skip

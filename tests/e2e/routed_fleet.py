@@ -63,9 +63,11 @@ class RoutedFleet:
         max_num_seqs: int,
         routing: dict[str, Any] | None = None,
         engine: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """The InferenceService, then the kubelet stand-in for its engine and picker pods; returns
-        once ``replicas`` engines and the picker serve. ``engine``: more spec.engine fields."""
+        once ``replicas`` engines and the picker serve. ``engine``: more spec.engine fields;
+        ``lora``: spec.lora (the operator loads its adapters once the engines are ready)."""
         body = tiny_inference_service(
             self.name,
             num_blocks=num_blocks,
@@ -74,6 +76,7 @@ class RoutedFleet:
             engine=engine,
             replicas=replicas,
             routing={"mode": "InferencePool", **(routing or {})},
+            **({"lora": lora} if lora is not None else {}),
         )
         self.cluster.custom.create_namespaced_custom_object(
             GROUP, VERSION, self.namespace, PLURAL, body

@@ -1,6 +1,7 @@
 """LoRA affinity end to end: the operator's Endpoint Picker (GIE v1.5.0's ``lora-affinity-scorer``
 at its default weight) reading the engines' ``vllm:lora_requests_info``, Envoy as the Gateway, and
-real engines serving the same adapters with one adapter slot per step (``--max-loras 1``).
+real engines serving the same adapters with one adapter slot per step (``spec.lora.maxLoras: 1``;
+the operator loads the adapters into every replica).
 
 The same traffic goes through the picker and through the plain Service (Envoy at random over the
 same engines); where each adapter's requests went is read from the engines' own per-adapter
@@ -14,20 +15,23 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from tests.cluster.gateway import Gateway
 from tests.cluster.pod_runner import PodProcess
-from tests.e2e.lora_adapters import make_tiny_adapters, static_lora_args
+from tests.e2e.lora_adapters import make_tiny_adapters
 from tests.e2e.routed_fleet import (
+    TIMEOUT_S,
     RoutedFleet,
     client,
     engine_series,
     first_answer,
     save_report,
 )
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -54,12 +58,18 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return make_tiny_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS, MAX_LORA_RANK)
 
 
-def lora_engine(adapters: Mapping[str, Path]) -> dict[str, object]:
-    """spec.engine fields serving ``adapters`` with one adapter slot per step.
+def lora_spec(adapters: Mapping[str, Path]) -> dict[str, Any]:
+    """spec.lora serving ``adapters`` (file://, on the host) with one adapter slot per step."""
+    listed = [{"name": name, "uri": f"file://{path}"} for name, path in adapters.items()]
+    return {"maxLoras": 1, "maxLoraRank": MAX_LORA_RANK, "adapters": listed}
 
-    Through extraArgs for now: once the operator has ``spec.lora`` (it loads the adapters into
-    every ready replica itself), this becomes ``spec.lora.adapters`` with ``maxLoras: 1``."""
-    return {"extraArgs": static_lora_args(adapters, max_loras=1, max_rank=MAX_LORA_RANK)}
+
+def served_models(engine: PodProcess) -> set[str]:
+    api = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0)
+    try:
+        return {m.id for m in api.models.list()}
+    finally:
+        api.close()
 
 
 def lora_requests(engines: Sequence[PodProcess]) -> dict[str, dict[str, float]]:
@@ -127,14 +137,17 @@ def test_an_adapters_requests_go_to_the_replica_running_it_while_it_has_room(
     # and 0 for `chat` (no free slot), the other the reverse, so the picker keeps each adapter on
     # one replica. Through the Service every replica serves both, switching adapters as its
     # running requests drain.
-    f = fleet("lora", 2, num_blocks=256, max_num_seqs=8, engine=lora_engine(adapters))
+    f = fleet("lora", 2, num_blocks=256, max_num_seqs=8, lora=lora_spec(adapters))
     gateway, service = f.gateway(), f.service()
     first_answer(gateway, f.name)
     engines = f.runner.engines()
-    for engine in engines:  # every replica serves both adapters
-        api = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0)
-        assert {m.id for m in api.models.list()} == {f.name, *ADAPTERS}
-        api.close()
+    # The operator loads both adapters into every replica once it is ready.
+    wait_until(
+        lambda: all(served_models(e) == {f.name, *ADAPTERS} for e in engines) or None,
+        timeout=TIMEOUT_S,
+        interval=0.2,
+        message="both adapters loaded on every replica",
+    )
 
     readings = [lora_requests(engines)]
     errors = {"pool": send(gateway, ADAPTERS)}
