@@ -28,7 +28,7 @@ ADAPTERS = [
     {"name": "lyon", "uri": "hf://org/lyon", "revision": "abc123"},
     {"name": "sql", "uri": "pvc://adapters/sql/v2"},
     {"name": "chat", "uri": "pvc://weights/chat"},
-    {"name": "img", "uri": "file:///opt/adapters/img/"},
+    {"name": "img", "uri": "file:///opt/adapters/img/", "rank": 32},
 ]
 
 
@@ -45,12 +45,12 @@ def test_the_spec_is_read_with_every_source_kind() -> None:
     lora = isvc(model=HF_MODEL, lora=_lora(maxCpuLoras=8)).lora
     assert lora is not None
     assert (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (4, 32, 8)
-    found = [(a.name, a.kind, a.location, a.sub_path, a.revision) for a in lora.adapters]
+    found = [(a.name, a.kind, a.location, a.sub_path, a.revision, a.rank) for a in lora.adapters]
     assert found == [
-        ("lyon", AdapterKind.HF, "org/lyon", "", "abc123"),
-        ("sql", AdapterKind.PVC, "adapters", "sql/v2", None),
-        ("chat", AdapterKind.PVC, "weights", "chat", None),
-        ("img", AdapterKind.FILE, "/opt/adapters/img", "", None),
+        ("lyon", AdapterKind.HF, "org/lyon", "", "abc123", None),
+        ("sql", AdapterKind.PVC, "adapters", "sql/v2", None, None),
+        ("chat", AdapterKind.PVC, "weights", "chat", None, None),
+        ("img", AdapterKind.FILE, "/opt/adapters/img", "", None, 32),
     ]
     assert [adapter_path(a) for a in lora.adapters] == [
         "hf/org/lyon/@abc123",
@@ -81,6 +81,11 @@ def test_the_spec_is_read_with_every_source_kind() -> None:
             "revision applies only to hf://",
         ),
         ({"uri": "tiny"}, {"adapters": [{"name": "-x", "uri": "file:///a"}]}, "must be 1-128"),
+        (
+            {"uri": "tiny"},
+            {"maxLoraRank": 8, "adapters": [{"name": "x", "uri": "file:///a", "rank": 16}]},
+            "rank 16 is above lora.maxLoraRank 8",
+        ),
     ],
 )
 def test_a_spec_the_operator_cannot_serve_is_refused_naming_the_field(

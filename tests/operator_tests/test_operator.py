@@ -288,6 +288,24 @@ def test_drift_is_repaired_within_seconds(
             {"engine": {"extraArgs": ["--nnodes=2"]}},
             "--[no-]headless: use spec.parallelism",
         ),
+        (
+            {"engine": {"extraArgs": ["--lora-modules", "a=/a"]}},
+            "--lora-dir, --[no-]allow-runtime-lora-updating: use spec.lora",
+        ),
+        (
+            {"lora": {"maxLoraRank": 8,
+                      "adapters": [{"name": "a", "uri": "file:///a", "rank": 16}]}},
+            "spec.lora: Invalid value: an adapter's rank must not exceed maxLoraRank",
+        ),
+        (
+            {"lora": {"adapters": [{"name": "a", "uri": "s3://bucket/a"}]}},
+            "uri must be hf://org/name, pvc://claim or pvc://claim/path, or file:///path",
+        ),
+        (
+            {"lora": {"adapters": [{"name": "a", "uri": "file:///a"},
+                                   {"name": "a", "uri": "file:///b"}]}},
+            'spec.lora.adapters[1]: Duplicate value: {"name":"a"}',
+        ),
     ],
     ids=[
         "min-above-max",
@@ -298,6 +316,10 @@ def test_drift_is_repaired_within_seconds(
         "extra-api-key",
         "unused-gpus",
         "extra-nnodes",
+        "extra-lora-modules",
+        "lora-rank-above-max",
+        "lora-uri",
+        "lora-duplicate-name",
     ],
 )  # fmt: skip
 def test_invalid_specs_are_rejected_by_the_api_server(

@@ -151,7 +151,8 @@ class AdapterLoader:
         loadable = [a for a in isvc.lora.adapters if waits.get(a.name, (None, False))[0] is None]
         wanted = {adapter.name for adapter in isvc.lora.adapters}
         pods = self._serving_pods(isvc)
-        passes = [_PodPass(pod, self._api_key(isvc) if pods else None) for pod in pods]
+        api_key = self._api_key(isvc) if pods else None  # read once, only to call a replica
+        passes = [_PodPass(pod, api_key) for pod in pods]
         for one in passes:
             one.sync(loadable, wanted)
         observed = []

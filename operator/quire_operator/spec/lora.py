@@ -39,6 +39,9 @@ class Adapter:
     location: str
     sub_path: str = ""  # pvc: the directory inside the claim ("" for its root)
     revision: str | None = None  # hf: a branch, tag or commit (None: main)
+    # The rank the spec declares (None: not declared): checked against max_lora_rank when the
+    # spec is read, before any replica reads the files (which check the real rank again).
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         if not ADAPTER_NAME.match(self.name):
@@ -48,6 +51,8 @@ class Adapter:
             )
         if self.revision is not None and self.kind is not AdapterKind.HF:
             raise ValueError(f"lora.adapters[{self.name}].revision applies only to hf:// adapters")
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"lora.adapters[{self.name}].rank must be >= 1: {self.rank}")
 
     @property
     def uri(self) -> str:
@@ -83,6 +88,12 @@ class LoRASpec:
                 f"lora.maxCpuLoras ({self.max_cpu_loras}) must be >= lora.maxLoras "
                 f"({self.max_loras})"
             )
+        for adapter in self.adapters:
+            if adapter.rank is not None and adapter.rank > self.max_lora_rank:
+                raise ValueError(
+                    f"lora.adapters[{adapter.name}].rank {adapter.rank} is above "
+                    f"lora.maxLoraRank {self.max_lora_rank}"
+                )
         names = [adapter.name for adapter in self.adapters]
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"lora.adapters: each name once; repeated: {', '.join(repeated)}")
