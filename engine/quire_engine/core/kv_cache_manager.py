@@ -177,7 +177,7 @@ class KVCacheManager:
         step = bs * words.itemsize
         for i in range(done, num_blocks):
             parent = hashes[i - 1] if i else None
-            salt = None if i else hash_extra(seq.cache_salt, seq.lora_id)
+            salt = None if i else hash_extra(seq.cache_salt, seq.lora_id, seq.lora_path)
             k = i - done
             hashes.append(hash_block_bytes(parent, data[k * step : (k + 1) * step], salt))
         return hashes

@@ -3,8 +3,9 @@ the adapter slots. Pure Python (no tensors: ``model/lora`` owns the weights).
 
 ``LoRARequest`` is vLLM's (``lora_name``, ``lora_int_id``, ``lora_path``): ``lora_int_id`` >= 1
 identifies the adapter everywhere inside the engine (0 is the base model, ``BASE``); a request's
-sequences carry it (``Sequence.lora_id``), the prefix cache keys blocks by it (an adapter changes
-every layer's K/V, so two adapters never share a block, nor an adapter and the base), and the
+sequences carry it (``Sequence.lora_id``), the prefix cache keys blocks by it and the adapter's
+directory (an adapter changes every layer's K/V, so two adapters never share a block, nor an
+adapter and the base, nor an id reused after an unload), and the
 scheduler admits a sequence only while the distinct adapters of the running sequences stay within
 ``max_loras`` (``AdapterSlots``), so every step fits the model side's slots. Under tensor
 parallelism the adapters rank 0 adds and removes reach the other ranks as ``AdapterChange``s in
@@ -41,13 +42,14 @@ class LoRARequest:
             raise ValueError("lora_path must not be empty")
 
 
-def hash_extra(cache_salt: str | None, lora_id: int) -> str | None:
+def hash_extra(cache_salt: str | None, lora_id: int, lora_path: str = "") -> str | None:
     """The extra key of a sequence's first block hash (the chain carries it to every block): the
-    tenant's salt and the adapter. The base model without a salt keeps ``None``, so its hashes
-    are those of an engine without LoRA."""
+    tenant's salt and the adapter, by id and directory (an id may name another adapter once the
+    first is unloaded). The base model without a salt keeps ``None``, so its hashes are those of
+    an engine without LoRA."""
     if lora_id == BASE:
         return cache_salt
-    return f"{cache_salt or ''}\x00lora:{lora_id}"
+    return f"{cache_salt or ''}\x00lora:{lora_id}\x00{lora_path}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,8 +44,11 @@ class Sequence:
     prompt_token_ids: list[int]
     max_tokens: int
     cache_salt: str | None = None
-    # The LoRA adapter (``core/lora``: its lora_int_id; 0 the base model), part of the block hash.
+    # The LoRA adapter (``core/lora``: its lora_int_id; 0 the base model) and its directory, both
+    # part of the block hash: an id reused for another adapter after an unload never meets the
+    # blocks the first one left in the prefix cache.
     lora_id: int = 0
+    lora_path: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -113,6 +116,7 @@ class Sequence:
             max_tokens=self.max_tokens,
             cache_salt=self.cache_salt,
             lora_id=self.lora_id,
+            lora_path=self.lora_path,
             output_token_ids=list(self.output_token_ids),
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,

@@ -133,6 +133,7 @@ class LLMEngine:
         width = self._check_fit(params, beam_width)
         text, ids = self.tokenize(prompt)
         lora_id = self._adapter(lora_request)
+        lora_path = lora_request.lora_path if lora_request is not None else ""
         compiled = None
         if params.constraint is not None:
             if beam_width is not None:
@@ -161,6 +162,7 @@ class LLMEngine:
             max_tokens=params.max_tokens,
             cache_salt=cache_salt,
             lora_id=lora_id,
+            lora_path=lora_path,
             reserved_seqs=width,
             prompt_logits=params.prompt_logprobs is not None,
         )

@@ -218,9 +218,15 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters(workdir: Path) -> 
         for lora in (None, a, b, a, None):
             (out,) = llm.generate([prompt], params, lora_request=lora)
             cached.append(out.num_cached_tokens)
-    assert cached == [0, 0, 0, 32, 32]
+        # b unloaded and its id given to another adapter: b's cached blocks are not its.
+        assert llm.engine.remove_adapter(b.lora_int_id)
+        reused = LoRARequest("again", b.lora_int_id, a.lora_path)
+        (out,) = llm.generate([prompt], params, lora_request=reused)
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 0, 0, 32, 32, 0]
     assert hash_extra(None, 0) is None and hash_extra("t", 0) == "t"
-    assert len({hash_extra(None, 1), hash_extra(None, 2), hash_extra("t", 1)}) == 3
+    extras = {hash_extra(None, 1, "/a"), hash_extra(None, 2, "/a"), hash_extra("t", 1, "/a")}
+    assert len(extras | {hash_extra(None, 1, "/b")}) == 4
 
 
 def test_the_scheduler_keeps_a_step_within_max_loras() -> None:

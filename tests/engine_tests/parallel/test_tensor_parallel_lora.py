@@ -86,8 +86,8 @@ def test_a_mixed_batch_at_two_ranks_matches_merged_models_and_one_rank(
 def test_removed_adapters_and_refusals_reach_every_rank(workdir: Path) -> None:
     """One slot, max_lora_rank 4: refusals carry TP=1's messages (checked on the whole shapes);
     an adapter removed and its id taken by another one (row-parallel targets only) runs the new
-    adapter on every rank (a rank still holding the old one would refuse the id, and die).
-    Without prefix caching: blocks are keyed by adapter id, which the server never reuses."""
+    adapter on every rank (a rank still holding the old one would refuse the id, and die), and
+    none of the blocks the first one left in the prefix cache."""
     base, ((a, _), (b, b_ref)) = family_setup(workdir, "llama")
     c, c_ref = make_adapter(base, workdir, "llama-c", 3, 4, ["o_proj", *MLP])
     other = workdir / "narrow-llama"  # another base model: a narrower MLP
@@ -107,7 +107,6 @@ def test_removed_adapters_and_refusals_reach_every_rank(workdir: Path) -> None:
         max_loras=1,
         max_lora_rank=4,
         tensor_parallel_size=2,
-        enable_prefix_caching=False,
         **ENGINE,
     ) as llm:
         with pytest.raises(ValueError, match="rank 8; max_lora_rank is 4"):
