@@ -133,33 +133,18 @@ def scenario(
 def fleet(
     cluster: ClusterHandle, routing: RoutingStack, namespace: str, operators: Operators
 ) -> Iterator[Callable[..., RoutedFleet]]:
-    """``fleet(name, replicas, **engine)`` -> a RoutedFleet whose engines and picker serve."""
+    """``fleet(name, replicas, **settings)`` -> a RoutedFleet whose engines and picker serve
+    (``settings``: ``RoutedFleet.create``'s)."""
     from tests.e2e.routed_fleet import RoutedFleet
 
     operators.start()  # after `routing`: the InferencePool CRD is served when it starts
     made: list[RoutedFleet] = []
     routing_stack = routing  # ``routing`` below is the InferenceService's routing settings
 
-    def make(
-        name: str,
-        replicas: int,
-        *,
-        num_blocks: int,
-        max_num_seqs: int,
-        routing: dict[str, Any] | None = None,
-        engine: dict[str, Any] | None = None,
-        lora: dict[str, Any] | None = None,
-    ) -> RoutedFleet:
+    def make(name: str, replicas: int, **settings: Any) -> RoutedFleet:
         created = RoutedFleet(cluster, routing_stack, namespace, name)
         made.append(created)
-        created.create(
-            replicas,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            routing=routing,
-            engine=engine,
-            lora=lora,
-        )
+        created.create(replicas, **settings)
         return created
 
     try:
