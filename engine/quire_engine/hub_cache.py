@@ -28,12 +28,14 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -256,6 +258,33 @@ def download(
     completion = Completion(repo, revision, info.sha, files, only)
     _write_marker(model_dir, completion)
     return completion
+
+
+# A LoRA adapter named by its Hub repository (``/v1/load_lora_adapter``, ``--lora-modules``).
+HUB_SCHEME = "hf://"
+_HUB_ADAPTER = re.compile(
+    r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(@(?P<rev>[^\s@]+))?$"
+)
+
+
+def fetch_adapter(uri: str, root: Path) -> Path:
+    """The local directory of the adapter ``hf://org/name[@revision]``: downloaded (verified,
+    marked complete, as a model cache directory) into ``root/<org>/<name>/@<revision>`` unless
+    it is there already. ``HF_ENDPOINT`` and ``HF_TOKEN`` are read now, not at import, so the
+    endpoint a server was started with applies. ``ValueError`` for a uri of another shape."""
+    match = _HUB_ADAPTER.match(uri)
+    if match is None:
+        raise ValueError(f"not hf://org/name or hf://org/name@revision: {uri!r}")
+    repo, revision = match["repo"], match["rev"]
+    directory = root / repo / f"@{quote(revision or 'main', safe='')}"
+    download(
+        repo,
+        directory,
+        revision=revision,
+        endpoint=os.environ.get("HF_ENDPOINT") or None,
+        token=os.environ.get("HF_TOKEN") or None,
+    )
+    return directory
 
 
 def _write_termination_message(path: str | None, message: str) -> None:

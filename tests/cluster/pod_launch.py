@@ -22,6 +22,9 @@ what runs):
 - **LeaderWorkerSet pods**: ``LWS_LEADER_ADDRESS`` (the leader pod's DNS name,
   ``<pod>.<subdomain>.<namespace>``, which cluster DNS would resolve through the headless
   Service) becomes that pod's IP, read from the API (a LaunchError, retried, until it has one).
+- **init containers** of an engine pod: the engine's own ``hf download`` (an hf:// model without
+  a cache) runs as this interpreter's ``hf`` CLI, each to completion before the engine
+  (``init_chain``); any other init container is a ``LaunchError``.
 - **model cache download** (``command: [python, -m, quire_engine.hub_cache, ...]``, the
   operator's download Job): this interpreter runs the module. Its termination message file
   (``terminationMessagePath``) is a local file, ``Launch.termination_log``, which the runner
@@ -154,6 +157,8 @@ def plan(
             port = int(_flag(args, "--port") or _container_port(container) or ENGINE_PORT)
             args = _set_flags(args, {"--host": ip, "--port": str(port)})
             argv = [sys.executable, "-m", "quire_engine.cli", *args]
+            if pod["spec"].get("initContainers"):
+                argv = _after_init(pod, api, files_dir, argv)
             if "--headless" in args:  # a worker node's ranks: no HTTP, no metrics
                 workload = Workload.ENGINE_NODE
                 return Launch(workload, argv, {**ENGINE_ENV, **env}, ip, port, {port: port})
@@ -176,6 +181,26 @@ def plan(
             ports, int(replaced["--metrics-port"]),
         )  # fmt: skip
     return None
+
+
+def _after_init(pod: dict[str, Any], api: Api, files_dir: Path, argv: list[str]) -> list[str]:
+    """``argv`` run after the pod's init containers (``init_chain``), each planned as a kubelet
+    would: its own env and volume mounts, paths pointed at the pod's local volumes."""
+    inits = []
+    for init in pod["spec"]["initContainers"]:
+        command = [PurePosixPath(part).name for part in init.get("command") or []]
+        if command[:2] != ["hf", "download"]:
+            raise LaunchError(f"init container {init['name']}: not one this runner runs")
+        env = _resolve_env(pod, init, api)
+        mounted = _materialize_volumes(pod, init, api, files_dir)
+        args = _rewrite_paths(_expand([*init["command"][1:], *init.get("args", [])], env), mounted)
+        env = {name: _rewrite_paths([value], mounted)[0] for name, value in env.items()}
+        hf = str(Path(sys.executable).parent / "hf")
+        inits.append({"name": init["name"], "argv": [hf, *args], "env": env})
+    plan_file = files_dir / "init-containers.json"
+    plan_file.write_text(json.dumps(inits, indent=1))
+    chain = Path(__file__).with_name("init_chain.py")  # stdlib only: runs as a script
+    return [sys.executable, str(chain), str(plan_file), "--", *argv]
 
 
 # -- arguments ---------------------------------------------------------------------------------

@@ -4,13 +4,14 @@ Exact values, no cluster; the end-to-end scenario is tests/operator_tests/test_l
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from quire_operator.builders.deployment import REFUSED_FLAGS, build_deployment
 from quire_operator.builders.desired import adapter_jobs, download_job, model_cache_children
-from quire_operator.builders.lora import LORA_FLAGS, adapter_path
+from quire_operator.builders.lora import ENGINE_HF_HOME, LORA_FLAGS, adapter_path
 from quire_operator.config import OperatorConfig
 from quire_operator.observed.views import parse_serving_pod
 from quire_operator.spec.lora import AdapterKind
@@ -24,7 +25,7 @@ from tests.operator_tests.test_builders import isvc
 
 CONFIG = OperatorConfig()
 HF_MODEL = {"uri": "hf://org/base", "cache": {"size": "10Gi"}}
-ADAPTERS = [
+ADAPTERS: list[dict[str, Any]] = [
     {"name": "lyon", "uri": "hf://org/lyon", "revision": "abc123"},
     {"name": "sql", "uri": "pvc://adapters/sql/v2"},
     {"name": "chat", "uri": "pvc://weights/chat"},
@@ -52,7 +53,7 @@ def test_the_spec_is_read_with_every_source_kind() -> None:
         ("chat", AdapterKind.PVC, "weights", "chat", None, None),
         ("img", AdapterKind.FILE, "/opt/adapters/img", "", None, 32),
     ]
-    assert [adapter_path(a) for a in lora.adapters] == [
+    assert [adapter_path(a, cached=True) for a in lora.adapters] == [
         "hf/org/lyon/@abc123",
         "pvc/adapters/sql/v2",
         "pvc/weights/chat",
@@ -69,7 +70,6 @@ def test_the_spec_is_read_with_every_source_kind() -> None:
 @pytest.mark.parametrize(
     ("model", "lora", "message"),
     [
-        ({"uri": "tiny"}, {"adapters": ADAPTERS[:1]}, "hf:// adapters are downloaded into"),
         ({"uri": "tiny"}, {"adapters": [{"name": "tiny", "uri": "file:///a"}]}, "served name"),
         ({"uri": "tiny"}, {"adapters": [ADAPTERS[1], ADAPTERS[1]]}, "repeated: sql"),
         ({"uri": "tiny"}, {"maxLoras": 4, "maxCpuLoras": 2}, "maxCpuLoras (2) must be >="),
@@ -95,6 +95,33 @@ def test_a_spec_the_operator_cannot_serve_is_refused_naming_the_field(
     found = read(inference_service(spec, name="tiny"))
     assert isinstance(found, InvalidSpec), found
     assert message in found.error
+
+
+def test_without_a_cache_replicas_download_hf_adapters_with_the_models_hub_settings() -> None:
+    token = {"name": "hf", "key": "token"}
+    model = {"uri": "hf://org/base", "hfEndpoint": "http://mirror:8080", "hfTokenSecretRef": token}
+    service = isvc(model=model, lora=_lora(adapters=ADAPTERS[:1]))
+    assert service.lora is not None
+    (lyon,) = service.lora.adapters
+    assert adapter_path(lyon, cached=False) == "hf://org/lyon@abc123"
+    unpinned = isvc(model=model, lora=_lora(adapters=[{"name": "x", "uri": "hf://org/x"}])).lora
+    assert unpinned is not None and adapter_path(unpinned.adapters[0], cached=False) == "hf://org/x"
+    env = _pod(service)["containers"][0]["env"]
+    assert env == [
+        {"name": "HF_HOME", "value": "/tmp/huggingface"},
+        {"name": "HF_ENDPOINT", "value": "http://mirror:8080"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": token}},
+    ]
+    dockerfile = (Path(__file__).parents[2] / "Dockerfile.engine").read_text()
+    assert f"HF_HOME={ENGINE_HF_HOME}" in dockerfile  # the image's own, said again
+    # The same env with no adapter yet: the first hf:// adapter changes no pod.
+    assert _pod(isvc(model=model, lora=_lora(adapters=[]))) == _pod(service)
+    assert adapter_jobs(service, CONFIG) == {}
+    # Every node's ranks read the adapter's files: several nodes need the cache.
+    spec = {**load_example()["spec"], "model": model, "lora": _lora(adapters=ADAPTERS[:1])}
+    spec["parallelism"] = {"nodes": 2}
+    found = read(inference_service(spec, name="tiny"))
+    assert isinstance(found, InvalidSpec) and "set spec.model.cache" in found.error
 
 
 def test_engine_flags_turn_lora_on_without_naming_an_adapter() -> None:

@@ -10,6 +10,9 @@ at runtime and reports ``wide`` as Failed (condition and Event) while the others
 naming ``lyon`` get peft's merged model's greedy tokens from either replica. Taking ``paris`` and
 ``wide`` out of the spec unloads ``paris`` from both replicas without restarting them, and a
 replica that restarts gets ``lyon`` back.
+
+Without a model cache (the model downloaded by the pod's init container, run by the kubelet
+stand-in), an hf:// adapter is downloaded by the replica itself as the operator loads it.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 @pytest.fixture
 def hub(files: dict[str, Path]) -> Iterator[HubServer]:
+    """The base checkpoint's mirror; a test puts the adapter's repository behind it."""
     server = HubServer(REPO, files["base"]).start()
-    server.also_serve(HubServer(ADAPTER_REPO, files["root"] / "lyon"))
     yield server
     server.stop()
 
@@ -121,6 +124,7 @@ def test_adapters_are_loaded_unloaded_and_restored_on_every_replica(
     files: dict[str, Path],
 ) -> None:
     storage_class, directory = volume
+    hub.also_serve(HubServer(ADAPTER_REPO, files["root"] / "lyon"))
     encoded = base64.b64encode(KEY.encode()).decode()
     secret = {"metadata": {"name": "lora-key"}, "data": {"key": encoded}}
     cluster.core.create_namespaced_secret(namespace, secret)  # type: ignore[arg-type]  # dict body
@@ -208,3 +212,47 @@ def test_adapters_are_loaded_unloaded_and_restored_on_every_replica(
     tokens, margins = expected[0]
     n = tie_free_prefix(margins)
     assert _greedy(new.url, "lyon", PROMPTS[0])[:n] == tokens[:n]
+
+
+def test_without_a_cache_each_replica_downloads_its_hf_adapters(
+    cluster: ClusterHandle,
+    namespace: str,
+    operators: Operators,
+    hub: HubServer,
+    runner: PodRunner,  # noqa: F811
+    files: dict[str, Path],
+) -> None:
+    """An hf:// model without spec.model.cache (its init container downloads it into the pod)
+    and an hf:// adapter pinned to a commit: the replica downloads the adapter itself as the
+    operator loads it (``hf://org/name@commit``), from the model's mirror, and serves it."""
+    adapter_hub = hub.also_serve(HubServer(ADAPTER_REPO, files["root"] / "lyon"))
+    operators.start()
+    body = cached_service(hub, "unused")
+    del body["spec"]["model"]["cache"]
+    adapter = {"name": "lyon", "uri": f"hf://{ADAPTER_REPO}", "revision": adapter_hub.commit}
+    body["spec"]["lora"] = {"maxLoraRank": 8, "adapters": [adapter]}
+    cluster.custom.create_namespaced_custom_object(
+        "quire.dev", "v1alpha1", namespace, "inferenceservices", body
+    )
+    found = wait_for(
+        "lyon Loaded",
+        lambda: _adapters(cluster, namespace),
+        lambda a: a.get("lyon", {}).get("state") == "Loaded",
+        timeout_s=START_S,
+    )
+    assert "job" not in found["lyon"], found  # no Job: the replica fetched it
+    (engine,) = runner.engines()
+    uri = f"hf://{ADAPTER_REPO}@{adapter_hub.commit}"
+    listed = httpx2.get(f"{engine.url}/v1/models").json()["data"]
+    assert {c["id"]: c["root"] for c in listed if c.get("parent")} == {"lyon": uri}
+    assert dict(adapter_hub.body_bytes) == {p: len(f.data) for p, f in adapter_hub.files.items()}
+    tokens, margins = reference(str(files["lyon_ref"]))[0]
+    n = tie_free_prefix(margins)
+    oai = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0)
+    out = oai.completions.create(
+        model="lyon", prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert [int(t.removeprefix("token_id:")) for t in logprobs.tokens][:n] == tokens[:n]

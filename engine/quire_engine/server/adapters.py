@@ -10,21 +10,28 @@ returns when the requests in flight on the adapter have finished.
 ``--lora-modules`` takes vLLM's two forms: ``name=path`` and the JSON object
 ``{"name": ..., "path": ..., "base_model_name": ...}``. A relative path is resolved under
 ``--lora-dir`` when one is set (the operator mounts adapter volumes under one directory and names
-adapters relative to it); ``/v1/models`` shows each adapter's path as it was given.
+adapters relative to it); ``hf://org/name[@revision]`` is downloaded from the Hub (``HF_ENDPOINT``,
+``HF_TOKEN``) into ``$HF_HOME/quire-adapters`` off the step loop, verified, and loaded from there.
+``/v1/models`` shows each adapter's path as it was given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import itertools
 import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
+from huggingface_hub.errors import HfHubHTTPError
+
+from quire_engine import hub_cache
 from quire_engine.core.lora import LoRARequest
 from quire_engine.engine.async_engine import AsyncEngine
 from quire_engine.engine.engine_thread import EngineState
@@ -35,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # The error code of a load naming an adapter that is loaded or loading.
 ALREADY_LOADED = "lora_adapter_already_loaded"
+# Where hf:// adapters are downloaded, under HF_HOME.
+ADAPTER_DOWNLOADS = "quire-adapters"
 # How often the static adapters' loader looks whether the engine is ready yet.
 READY_POLL_S = 0.05
 
@@ -84,6 +93,18 @@ class ServedAdapter(NamedTuple):
     source: str
 
 
+def _fetch(uri: str) -> Path:
+    """An hf:// adapter's local directory (downloaded now unless already there); every failure
+    is a ``ValueError`` saying what the Hub or the files said (a 400 to the caller)."""
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    try:
+        return hub_cache.fetch_adapter(uri, home / ADAPTER_DOWNLOADS)
+    except ValueError:
+        raise
+    except (hub_cache.CacheError, HfHubHTTPError, OSError) as err:
+        raise ValueError(f"cannot fetch {uri}: {type(err).__name__}: {err}") from err
+
+
 class AdapterRegistry:
     """See the module docstring. Event loop only."""
 
@@ -108,7 +129,9 @@ class AdapterRegistry:
     def _register(self, name: str, path: str) -> LoRARequest:
         if name in self.base_names or name in self._entries:
             raise ValueError(f"LoRA adapter name {name!r} is already served")
-        resolved = os.path.join(self.lora_dir, path) if self.lora_dir else path
+        resolved = path
+        if self.lora_dir and not path.startswith(hub_cache.HUB_SCHEME):
+            resolved = os.path.join(self.lora_dir, path)
         request = LoRARequest(name, next(self._ids), resolved)
         self._entries[name] = _Entry(request, path, AdapterState.LOADING)
         return request
@@ -149,6 +172,9 @@ class AdapterRegistry:
     async def _load(self, request: LoRARequest) -> None:
         entry = self._entries[request.lora_name]
         try:
+            if request.lora_path.startswith(hub_cache.HUB_SCHEME):
+                local = await asyncio.to_thread(_fetch, request.lora_path)
+                request = entry.request = dataclasses.replace(request, lora_path=str(local))
             await self.engine.load_adapter(request)
         except (ValueError, EngineUnavailable) as err:
             entry.state, entry.error = AdapterState.FAILED, str(err)

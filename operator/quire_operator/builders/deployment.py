@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 from quire_operator import meta
 from quire_operator.builders.host_memory import with_host_tier
-from quire_operator.builders.lora import LORA_FLAGS, adapter_volumes, lora_args
+from quire_operator.builders.lora import LORA_FLAGS, adapter_volumes, hub_env, lora_args
 from quire_operator.config import OperatorConfig
 from quire_operator.spec.view import InferenceService, ModelKind, ModelSource, SecretKeyRef
 
@@ -263,7 +263,8 @@ def hf_env(model: ModelSource, hf_home: str) -> list[dict[str, Any]]:
 
 def _download_container(isvc: InferenceService, image: str) -> dict[str, Any]:
     """Init container that fetches an hf:// model into the shared emptyDir with the engine
-    image's ``hf`` CLI. The token reaches this container only."""
+    image's ``hf`` CLI. The token reaches this container only, and the engine's only with
+    spec.lora (its replicas download hf:// adapters themselves: ``lora.hub_env``)."""
     model = isvc.model
     # A GGUF repository holds one file per quantization: fetch only the one served.
     files = [model.sub_path] if model.sub_path else []
@@ -327,8 +328,11 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "volumeMounts": mounts,
         "securityContext": container_security(),
     }
+    env = hub_env(isvc)
     if isvc.api_key is not None:
-        container["env"] = [_secret_env(API_KEY_ENV, isvc.api_key)]
+        env.append(_secret_env(API_KEY_ENV, isvc.api_key))
+    if env:
+        container["env"] = env
     if isvc.engine.pre_stop_delay_s:
         # The kubelet's own sleep action (beta and on by default since Kubernetes 1.30, GA in
         # 1.34): the image needs no `sleep` binary, unlike an exec hook.

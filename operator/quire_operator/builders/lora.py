@@ -9,6 +9,9 @@ relative to it, so the engine resolves them wherever that directory really is):
 - ``/adapters/pvc/<claim>``: each claim a pvc:// adapter names, read-only (the model's own claim
   is the ``model`` volume mounted a second time); the adapter is ``pvc/<claim>/<path>``.
 - file:// adapters are absolute paths in the image.
+- Without a model cache, an hf:// adapter is ``hf://org/name@revision``: each replica downloads it
+  as it loads it (the engine's ``HF_HOME``, under its scratch ``/tmp``), with the model's Hub
+  endpoint and token (``hub_env``).
 
 Only the claims are part of the pod template: adding an hf:// adapter, or a pvc:// one on a claim
 already mounted, changes no pod (the operator loads it at runtime); an adapter on a new claim
@@ -24,6 +27,7 @@ from quire_operator.spec.lora import Adapter, AdapterKind, LoRASpec
 from quire_operator.spec.view import InferenceService, ModelKind
 
 ADAPTER_DIR = "/adapters"
+ENGINE_HF_HOME = "/tmp/huggingface"
 HF_SUBDIR = "hf"
 PVC_SUBDIR = "pvc"
 # The model's volume name in the pod (deployment._model_volume).
@@ -42,9 +46,14 @@ LORA_FLAGS = (
 )
 
 
-def adapter_path(adapter: Adapter) -> str:
+def adapter_path(adapter: Adapter, cached: bool) -> str:
     """What ``/v1/load_lora_adapter`` is given for ``adapter`` (and what ``/v1/models`` shows
-    as its root once loaded): relative to ADAPTER_DIR, or an absolute path in the image."""
+    as its root once loaded): relative to ADAPTER_DIR, an absolute path in the image, or, for
+    an hf:// adapter without a model cache (``cached`` False), ``hf://org/name[@revision]``,
+    which the engine downloads itself."""
+    if adapter.kind is AdapterKind.HF and not cached:
+        at = f"@{adapter.revision}" if adapter.revision is not None else ""
+        return f"hf://{adapter.location}{at}"
     if adapter.kind is AdapterKind.HF:
         return f"{HF_SUBDIR}/{adapter.cache_subdir}"
     if adapter.kind is AdapterKind.PVC:
@@ -64,6 +73,24 @@ def lora_args(lora: LoRASpec) -> list[str]:
     if lora.max_cpu_loras is not None:
         args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
     return args
+
+
+def hub_env(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The engine container's Hub settings when its replicas may download hf:// adapters: with
+    spec.lora on an hf:// model without a cache (set whatever the adapters, so adding the first
+    hf:// adapter changes no pod); the model's endpoint and token, never a literal."""
+    model = isvc.model
+    if isvc.lora is None or model.kind is not ModelKind.HF or model.cache is not None:
+        return []
+    # The image's own HF_HOME (Dockerfile.engine), said here too: downloads land in the scratch
+    # /tmp volume whatever the image's environment.
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": ENGINE_HF_HOME}]
+    if model.hf_endpoint is not None:
+        env.append({"name": "HF_ENDPOINT", "value": model.hf_endpoint})
+    if model.hf_token is not None:
+        token = {"name": model.hf_token.name, "key": model.hf_token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": token}})
+    return env
 
 
 def _claim_volume_name(claim: str) -> str:

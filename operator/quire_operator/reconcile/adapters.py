@@ -11,8 +11,9 @@ Ownership:
   (``--lora-modules`` is refused in extraArgs), so an adapter the spec does not name is unloaded.
   An adapter served from another path than the spec's (the uri or revision changed) is unloaded
   and loaded again from the new one.
-- An hf:// adapter is loaded only once its download Job has completed (the engine would read a
-  half-written directory otherwise).
+- An hf:// adapter of the model cache is loaded only once its download Job has completed (the
+  engine would read a half-written directory otherwise); without a cache the replica downloads
+  it itself during the load (``hf://org/name@revision``).
 - A load the engine refuses (bad files, a rank above maxLoraRank, another base model) is that
   adapter's failure on that pod; the other adapters and pods go on. It is tried again at the next
   reconcile (a Job, pod or spec change, or the periodic resync), not in a loop.
@@ -40,7 +41,7 @@ from quire_operator.children import TIMEOUT
 from quire_operator.observed import engine_api
 from quire_operator.observed.engine_api import EngineCallError
 from quire_operator.observed.views import JobView, ServingPod, parse_job, parse_serving_pod
-from quire_operator.spec.lora import Adapter, AdapterKind
+from quire_operator.spec.lora import Adapter
 from quire_operator.spec.view import InferenceService
 from quire_operator.status.adapters import AdapterObservation, PodFailure
 
@@ -56,10 +57,9 @@ class AdapterSync:
     pending: bool
 
 
-def _download_wait(job_name: str | None, job: JobView | None) -> tuple[str | None, bool]:
-    """(why an hf:// adapter cannot be loaded yet, whether its download failed)."""
-    if job_name is None:
-        return "hf:// adapters need spec.model.cache", True
+def _download_wait(job_name: str, job: JobView | None) -> tuple[str | None, bool]:
+    """(why an hf:// adapter of the model cache cannot be loaded yet, whether its download
+    failed)."""
     if job is None:
         return f"its download Job {job_name} does not exist yet", False
     if job.finished("Complete") is not None:
@@ -81,7 +81,7 @@ class _PodPass:
         self.failed: dict[str, str] = {}
         self.pending = False
 
-    def sync(self, loadable: Sequence[Adapter], wanted: set[str]) -> None:
+    def sync(self, loadable: Sequence[Adapter], wanted: set[str], cached: bool) -> None:
         try:
             served = engine_api.served_adapters(self.url, self.api_key)
         except EngineCallError as err:
@@ -91,7 +91,7 @@ class _PodPass:
         for name in served.keys() - wanted:
             self._unload(name, "not in spec.lora.adapters")
         for adapter in loadable:
-            path = adapter_path(adapter)
+            path = adapter_path(adapter, cached)
             root = served.get(adapter.name)
             if root == path:
                 self.loaded.add(adapter.name)
@@ -144,9 +144,9 @@ class AdapterLoader:
             return None
         waits: dict[str, tuple[str | None, bool]] = {}
         for adapter in isvc.lora.adapters:
-            if adapter.kind is AdapterKind.HF:
-                name = jobs.get(adapter.name)
-                found = ours.get(name) if name is not None else None
+            name = jobs.get(adapter.name)  # an hf:// adapter of the model cache
+            if name is not None:
+                found = ours.get(name)
                 waits[adapter.name] = _download_wait(name, parse_job(found) if found else None)
         loadable = [a for a in isvc.lora.adapters if waits.get(a.name, (None, False))[0] is None]
         wanted = {adapter.name for adapter in isvc.lora.adapters}
@@ -154,7 +154,7 @@ class AdapterLoader:
         api_key = self._api_key(isvc) if pods else None  # read once, only to call a replica
         passes = [_PodPass(pod, api_key) for pod in pods]
         for one in passes:
-            one.sync(loadable, wanted)
+            one.sync(loadable, wanted, cached=isvc.model.cache is not None)
         observed = []
         for adapter in isvc.lora.adapters:
             wait, download_failed = waits.get(adapter.name, (None, False))

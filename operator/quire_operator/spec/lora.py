@@ -23,7 +23,9 @@ DEFAULT_MAX_LORA_RANK = 16
 
 
 class AdapterKind(enum.Enum):
-    HF = "hf"  # a Hub repository, downloaded into the model cache by a Job of its own
+    # A Hub repository: downloaded into the model cache by a Job of its own, or, without a
+    # cache, by each replica as it loads it.
+    HF = "hf"
     PVC = "pvc"  # a directory on a PersistentVolumeClaim, mounted read-only
     FILE = "file"  # a directory already inside the image
 

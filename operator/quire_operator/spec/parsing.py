@@ -110,13 +110,14 @@ def parse_model(model: Mapping[str, Any], default_served_name: str) -> ModelSour
 
 def parse_adapter(adapter: Mapping[str, Any]) -> Adapter:
     name, uri = adapter["name"], adapter["uri"]
-    known = {"revision": adapter.get("revision"), "rank": adapter.get("rank")}
+    revision, rank = adapter.get("revision"), adapter.get("rank")
     if match := _HF_REPO.match(uri):
-        return Adapter(name, AdapterKind.HF, match["repo"], **known)
+        return Adapter(name, AdapterKind.HF, match["repo"], "", revision, rank)
     if match := _PVC.match(uri):
-        return Adapter(name, AdapterKind.PVC, match["claim"], match["path"].lstrip("/"), **known)
+        path = match["path"].lstrip("/")
+        return Adapter(name, AdapterKind.PVC, match["claim"], path, revision, rank)
     if match := _FILE.match(uri):
-        return Adapter(name, AdapterKind.FILE, match["path"].rstrip("/"), **known)
+        return Adapter(name, AdapterKind.FILE, match["path"].rstrip("/"), "", revision, rank)
     raise ValueError(
         f"lora.adapters[{name}].uri: not hf://org/name, pvc://claim[/path], file:///path: {uri}"
     )

@@ -368,10 +368,12 @@ class InferenceService:
                 raise ValueError(
                     f"lora.adapters[].name {adapter.name!r} is the model's served name"
                 )
-            if adapter.kind is AdapterKind.HF and self.model.cache is None:
+            hub = adapter.kind is AdapterKind.HF and self.model.cache is None
+            if hub and self.parallelism.multi_node:
                 raise ValueError(
-                    f"lora.adapters[{adapter.name}]: hf:// adapters are downloaded into the model "
-                    "cache; set spec.model.cache (or serve the adapter from pvc:// or file://)"
+                    f"lora.adapters[{adapter.name}]: an hf:// adapter without spec.model.cache "
+                    "is downloaded by the replica's first pod only, and every node's ranks read "
+                    "it: set spec.model.cache (or serve it from pvc://) with parallelism.nodes > 1"
                 )
         if self.routing.enabled and len(self.ref.name) > MAX_ROUTED_NAME:
             raise ValueError(

@@ -23,6 +23,7 @@ from tests.engine_tests.model.test_lora import (
     tie_free_prefix,
 )
 from tests.engine_tests.models import build
+from tests.hub_server import HubServer
 
 pytest.importorskip("peft")
 
@@ -175,3 +176,36 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:
         "running_lora_adapters": "a,c",
         "waiting_lora_adapters": "b",
     }
+
+
+def test_an_adapter_named_by_its_hub_repository_is_downloaded_and_served(
+    server: RunningServer,
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``hf://org/name[@revision]``: fetched from the Hub (here a stand-in, as HF_ENDPOINT) into
+    HF_HOME off the step loop, verified, then served; a repository the Hub does not have is a
+    400 saying so."""
+    hub = HubServer("quire-test/lora-b", checkpoints["root"] / "b").start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        uri = f"hf://quire-test/lora-b@{hub.commit}"
+        answer = post(server, "/v1/load_lora_adapter", {"lora_name": "hub-b", "lora_path": uri})
+        assert answer.status_code == 200, answer.text
+        local = tmp_path / "hf-home" / "quire-adapters" / "quire-test/lora-b" / f"@{hub.commit}"
+        assert (local / ".quire-complete.json").is_file()
+        cards = {c["id"]: c for c in httpx2.get(f"{server.url}/v1/models").json()["data"]}
+        assert cards["hub-b"]["root"] == uri
+        expected, margins = reference(str(checkpoints["b_ref"]))[1]
+        n = tie_free_prefix(margins)
+        assert greedy(server, "hub-b", PROMPTS[1])[:n] == expected[:n]
+        missing = {"lora_name": "gone", "lora_path": "hf://quire-test/nowhere"}
+        answer = post(server, "/v1/load_lora_adapter", missing)
+        assert answer.status_code == 400, answer.text
+        assert "cannot fetch hf://quire-test/nowhere: RepositoryNotFoundError" in answer.text
+        assert post(server, "/v1/unload_lora_adapter", {"lora_name": "hub-b"}).status_code == 200
+    finally:
+        hub.stop()
+    server.wait_until_idle()
