@@ -154,10 +154,9 @@ def test_weights_and_failure_mode_changes_are_followed(
     assert_routing_applied(cluster, namespace, isvc)
     config = yaml.safe_load(read_child(cluster, namespace, CONFIG_KEY)["data"]["config.yaml"])
     (profile,) = config["schedulingProfiles"]
-    assert profile["plugins"] == [
+    assert profile["plugins"] == [  # no spec.lora: the LoRA-affinity scorer stays out
         {"pluginRef": "queue-scorer", "weight": 1},
         {"pluginRef": "prefix-cache-scorer", "weight": 5},
-        {"pluginRef": "lora-affinity-scorer", "weight": 4},
         {"pluginRef": "max-score-picker"},
     ]
     pool = read_child(cluster, namespace, POOL_KEY)

@@ -30,8 +30,14 @@ from quire_operator.builders.inference_pool import build_inference_pool
 from quire_operator.config import DEFAULT_EPP_IMAGE, GIE_VERSION, OperatorConfig
 from quire_operator.kinds import Kind
 from quire_operator.meta import ChildKey
-from quire_operator.spec.parsing import parse
-from quire_operator.spec.view import FailureMode, InferenceService, RoutingMode, ScorerWeights
+from quire_operator.spec.parsing import parse, read
+from quire_operator.spec.view import (
+    FailureMode,
+    InferenceService,
+    InvalidSpec,
+    RoutingMode,
+    ScorerWeights,
+)
 from tests.operator_tests.helpers import inference_service, load_example
 from tests.operator_tests.test_builders import METADATA, UID
 
@@ -56,8 +62,8 @@ EPP_METADATA = {
 EPP_IMAGE = f"registry.k8s.io/gateway-api-inference-extension/epp:{GIE_VERSION}"
 ENGINE_SELECTOR = {"app.kubernetes.io/name": "quire-engine", "app.kubernetes.io/instance": "tiny"}
 
-# GIE v1.5.0's default scheduling config, as its chart writes it, in our words, plus its
-# LoRA-affinity scorer (not in GIE's default profile) at Quire's default weight.
+# GIE v1.5.0's default scheduling config, as its chart writes it, in our words (no LoRA: its
+# LoRA-affinity scorer joins only with spec.lora).
 DEFAULT_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -65,7 +71,6 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
-- type: lora-affinity-scorer
 - type: max-score-picker
 - type: metrics-data-source
   parameters:
@@ -83,8 +88,6 @@ schedulingProfiles:
   - pluginRef: kv-cache-utilization-scorer
     weight: 2
   - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: lora-affinity-scorer
     weight: 3
   - pluginRef: max-score-picker
 dataLayer:
@@ -208,7 +211,7 @@ def test_endpoint_picker_deployment_is_exactly_this() -> None:
             "template": {
                 "metadata": {
                     "labels": EPP_LABELS,
-                    "annotations": {"quire.dev/endpoint-picker-config": "a1bd74135f114e1f"},
+                    "annotations": {"quire.dev/endpoint-picker-config": "9241faa26adfc43e"},
                 },
                 "spec": {
                     "serviceAccountName": "tiny-epp",
@@ -391,7 +394,7 @@ def test_weights_change_the_config_and_roll_the_picker() -> None:
 
 def test_lora_affinity_is_weighted_like_the_others_and_0_leaves_it_out() -> None:
     def profile(weights: dict[str, int]) -> list[dict[str, Any]]:
-        config = yaml.safe_load(config_text(routed({"scorerWeights": weights})))
+        config = yaml.safe_load(config_text(routed({"scorerWeights": weights}, lora={})))
         assert config["plugins"][-3]["type"] == "max-score-picker"
         types = [p["type"] for p in config["plugins"][:-3]]
         (default,) = config["schedulingProfiles"]
@@ -408,7 +411,15 @@ def test_lora_affinity_is_weighted_like_the_others_and_0_leaves_it_out() -> None
     assert profile({"queue": 0, "kvCacheUtilization": 0, "prefixCache": 0, "loraAffinity": 1}) == [
         {"pluginRef": "lora-affinity-scorer", "weight": 1}
     ]
-    assert "lora-affinity-scorer" not in config_text(routed({"scorerWeights": {"loraAffinity": 0}}))
+    weightless = routed({"scorerWeights": {"loraAffinity": 0}}, lora={})
+    assert "lora-affinity-scorer" not in config_text(weightless)
+    # Without spec.lora it is left out whatever its weight (every replica would score alike), and
+    # a profile of it alone is refused.
+    assert "lora-affinity-scorer" not in config_text(routed({"scorerWeights": {"loraAffinity": 7}}))
+    alone = {"queue": 0, "kvCacheUtilization": 0, "prefixCache": 0, "loraAffinity": 1}
+    spec = {**load_example()["spec"], "routing": {"mode": "InferencePool", "scorerWeights": alone}}
+    refused = read(inference_service(spec, name="tiny", uid=UID))
+    assert isinstance(refused, InvalidSpec) and "only loraAffinity is above 0" in refused.error
     # It reads vllm:lora_requests_info, which the extractor maps for engine-type vllm by default
     # (and in the host tier's override, which repeats every spec).
     tiered = endpoint_picker_config(ScorerWeights(), host_tier=True)
@@ -423,7 +434,7 @@ def test_every_plugin_a_profile_names_is_declared() -> None:
         ScorerWeights(1, 1, 0),
         ScorerWeights(0, 0, 0, 1),
     ):
-        config = endpoint_picker_config(weights)
+        config = endpoint_picker_config(weights, lora=True)
         declared = {p["type"] for p in config["plugins"]}
         (profile,) = config["schedulingProfiles"]
         assert {p["pluginRef"] for p in profile["plugins"]} <= declared

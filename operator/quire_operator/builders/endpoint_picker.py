@@ -92,14 +92,17 @@ def _metadata(isvc: InferenceService) -> dict[str, Any]:
     return meta.object_meta(isvc.ref, epp_name(isvc.ref.name), epp_labels(isvc.ref.name))
 
 
-def endpoint_picker_config(weights: ScorerWeights, host_tier: bool = False) -> dict[str, Any]:
+def endpoint_picker_config(
+    weights: ScorerWeights, host_tier: bool = False, lora: bool = False
+) -> dict[str, Any]:
     """GIE's default scheduling (its default weights unless the spec sets others), written out:
     the scorers with a weight above 0, the highest total score wins, and the engines' metrics
     scraped from ``/metrics`` with the vLLM metric names.
 
-    Plus GIE's LoRA-affinity scorer, which its default profile leaves out: it reads the
-    ``vllm:lora_requests_info`` the extractor already maps (``loraSpec``) and costs nothing on
-    replicas that serve no adapters (``max_lora`` 0: every replica scores 0).
+    ``lora``: the replicas serve adapters (spec.lora), so GIE's LoRA-affinity scorer joins, which
+    its default profile leaves out: it reads the ``vllm:lora_requests_info`` the extractor
+    already maps (``loraSpec``). Without adapters it is left out (it would score every replica
+    alike), so a service without LoRA keeps GIE's own profile and its picker's config.
 
     ``host_tier``: the replicas keep evicted prefixes in host memory. The prefix scorer's index
     (GIE's approximate prefix cache, ``autoTune`` on by default) keeps an LRU per replica as
@@ -113,7 +116,7 @@ def endpoint_picker_config(weights: ScorerWeights, host_tier: bool = False) -> d
             (QUEUE_SCORER, weights.queue),
             (KV_CACHE_SCORER, weights.kv_cache_utilization),
             (PREFIX_CACHE_SCORER, weights.prefix_cache),
-            (LORA_AFFINITY_SCORER, weights.lora_affinity),
+            (LORA_AFFINITY_SCORER, weights.lora_affinity if lora else 0),
         )
         if weight
     ]
@@ -167,7 +170,9 @@ def flow_control(hold: ScaleToZero) -> dict[str, Any]:
 
 
 def config_text(isvc: InferenceService) -> str:
-    config = endpoint_picker_config(isvc.routing.weights, bool(isvc.engine.kv_offloading_size_gib))
+    config = endpoint_picker_config(
+        isvc.routing.weights, bool(isvc.engine.kv_offloading_size_gib), isvc.lora is not None
+    )
     if isvc.autoscaling.scales_to_zero:
         config = {**config, **flow_control(isvc.autoscaling.scale_to_zero)}
     return yaml.safe_dump(config, sort_keys=False)

@@ -380,6 +380,14 @@ class InferenceService:
                 f"metadata.name must be at most {MAX_ROUTED_NAME} characters with routing "
                 f"mode InferencePool (the Endpoint Picker's Service is named <name>-epp)"
             )
+        weights = self.routing.weights
+        if self.lora is None and not (
+            weights.queue or weights.kv_cache_utilization or (weights.prefix_cache)
+        ):
+            raise ValueError(
+                "routing.scorerWeights: only loraAffinity is above 0, and it scores only with "
+                "spec.lora: set another weight above 0"
+            )
         if self.autoscaling.scales_to_zero and not self.routing.enabled:
             raise ValueError(
                 "autoscaling.minReplicas 0 needs routing.mode InferencePool: its Endpoint Picker "
