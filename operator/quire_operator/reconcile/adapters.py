@@ -19,6 +19,8 @@ Ownership:
   reconcile (a Job, pod or spec change, or the periodic resync), not in a loop.
 - A pod that does not answer, or a load still running there, leaves the adapter pending and asks
   for a retry (``pending``), so it converges without waiting for the resync.
+- The replicas are called at once (up to ``_PARALLEL_PODS``), each by its own ``_PodPass``, which
+  only that thread touches.
 - The API key, when the spec has one, is read from its Secret once per reconcile that calls a
   replica: the runtime endpoints sit behind it.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +49,8 @@ from quire_operator.spec.view import InferenceService
 from quire_operator.status.adapters import AdapterObservation, PodFailure
 
 logger = logging.getLogger("quire_operator.adapters")
+# Replicas called at once in one reconcile (each call is I/O: the replica's HTTP answer).
+_PARALLEL_PODS = 8
 
 
 @dataclass(frozen=True)
@@ -153,8 +158,10 @@ class AdapterLoader:
         pods = self._serving_pods(isvc)
         api_key = self._api_key(isvc) if pods else None  # read once, only to call a replica
         passes = [_PodPass(pod, api_key) for pod in pods]
-        for one in passes:
-            one.sync(loadable, wanted, cached=isvc.model.cache is not None)
+        cached = isvc.model.cache is not None
+        if passes:  # the replicas at once: a slow load on one does not hold up the others
+            with ThreadPoolExecutor(min(len(passes), _PARALLEL_PODS)) as pool:
+                list(pool.map(lambda one: one.sync(loadable, wanted, cached), passes))
         observed = []
         for adapter in isvc.lora.adapters:
             wait, download_failed = waits.get(adapter.name, (None, False))
