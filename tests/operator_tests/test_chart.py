@@ -513,6 +513,16 @@ def test_pool_crd_renders_as_the_modules_file_kept_on_uninstall(binaries: Binari
 
 
 @pytest.mark.cluster
+def test_secrets_are_readable_by_name_only_and_only_while_asked(binaries: Binaries) -> None:
+    def secret_rules(*args: str) -> list[dict[str, Any]]:
+        (role,) = [d for d in render(binaries, NAMESPACE, *args) if d["kind"] == "ClusterRole"]
+        return [r for r in role["rules"] if "secrets" in r["resources"]]
+
+    assert secret_rules() == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert secret_rules("--set", "rbac.readApiKeySecrets=false") == []
+
+
+@pytest.mark.cluster
 def test_monitors_render_only_when_the_api_exists_or_asked(binaries: Binaries) -> None:
     monitoring = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
 

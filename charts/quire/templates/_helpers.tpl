@@ -183,12 +183,15 @@ InferenceObjectives, InferenceModelRewrites).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+{{- if .Values.rbac.readApiKeySecrets }}
 # Secrets: read (get, never listed or watched) only with spec.lora and spec.apiKeySecretRef: the
-# API key that the replicas' runtime LoRA endpoints (load, unload) sit behind. A missing Secret
-# shows in the pods' status, which the operator reads from the pods above.
+# API key that the replicas' runtime LoRA endpoints (load, unload) sit behind
+# (rbac.readApiKeySecrets). A missing Secret shows in the pods' status, which the operator reads
+# from the pods above.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+{{- end }}
 # The operator posts one Event per status transition on the InferenceService (and kopf posts
 # handler errors).
 - apiGroups: [""]

@@ -75,6 +75,10 @@ def _download_wait(job_name: str, job: JobView | None) -> tuple[str | None, bool
     return f"downloading (Job {job_name})", False
 
 
+class KeyUnreadable(RuntimeError):
+    """The replicas' API key cannot be read; the message says why."""
+
+
 class _PodPass:
     """One pod's adapters brought to the spec; collects what came of each."""
 
@@ -156,8 +160,13 @@ class AdapterLoader:
         loadable = [a for a in isvc.lora.adapters if waits.get(a.name, (None, False))[0] is None]
         wanted = {adapter.name for adapter in isvc.lora.adapters}
         pods = self._serving_pods(isvc)
-        api_key = self._api_key(isvc) if pods else None  # read once, only to call a replica
-        passes = [_PodPass(pod, api_key) for pod in pods]
+        callable_pods = pods
+        try:
+            api_key = self._api_key(isvc) if pods else None  # read once, only to call a replica
+        except KeyUnreadable as err:  # no replica can be called: every adapter says why
+            waits = {adapter.name: (str(err), True) for adapter in isvc.lora.adapters}
+            api_key, callable_pods = None, []
+        passes = [_PodPass(pod, api_key) for pod in callable_pods]
         cached = isvc.model.cache is not None
         if passes:  # the replicas at once: a slow load on one does not hold up the others
             with ThreadPoolExecutor(min(len(passes), _PARALLEL_PODS)) as pool:
@@ -194,6 +203,8 @@ class AdapterLoader:
         return sorted((pod for pod in found if pod is not None), key=lambda pod: pod.name)
 
     def _api_key(self, isvc: InferenceService) -> str | None:
+        """spec.apiKeySecretRef's key; ``KeyUnreadable`` when the operator may not read it (the
+        chart's rbac.readApiKeySecrets is off) or it is not there."""
         ref = isvc.api_key
         if ref is None:
             return None
@@ -202,9 +213,15 @@ class AdapterLoader:
                 ref.name, isvc.ref.namespace, _request_timeout=TIMEOUT
             )
         except ApiException as err:
-            if err.status in (403, 404):  # the pods cannot start without it either
-                logger.warning("API key Secret %s: %s", ref.name, err.reason)
-                return None
+            if err.status == 403:
+                raise KeyUnreadable(
+                    f"the operator may not read the API key Secret {ref.name} to load adapters "
+                    "(the chart's rbac.readApiKeySecrets is off)"
+                ) from None
+            if err.status == 404:
+                raise KeyUnreadable(f"the API key Secret {ref.name} does not exist") from None
             raise
         value = (secret.data or {}).get(ref.key)
-        return base64.b64decode(value).decode() if value else None
+        if not value:
+            raise KeyUnreadable(f"the API key Secret {ref.name} has no key {ref.key!r}")
+        return base64.b64decode(value).decode()
