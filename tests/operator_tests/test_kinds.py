@@ -7,6 +7,7 @@ install test compares what the API server stores with the same rules).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -32,11 +33,21 @@ CONFIG = OperatorConfig(prometheus_address="http://prometheus.monitoring:9090")
 
 
 def chart_rules() -> list[dict[str, Any]]:
-    """The ``quire.rbac.rules`` block of the chart's helpers, which is plain YAML."""
+    """The ``quire.rbac.rules`` block of the chart's helpers as the default values render it:
+    plain YAML but for the ``{{- if ...}}``/``{{- end }}`` lines around rules a value turns off
+    (all on by default, so dropping those lines keeps every rule)."""
     text = HELPERS.read_text()
     start = text.index('{{- define "quire.rbac.rules" -}}')
     body = text[start:].split("\n", 1)[1]
-    rules: list[dict[str, Any]] = yaml.safe_load(body[: body.index("{{- end -}}")])
+    block = body[: body.index("{{- end -}}")].splitlines()
+    values = yaml.safe_load((HELPERS.parents[1] / "values.yaml").read_text())
+    for switch in re.findall(r"\{\{- if \.Values\.([\w.]+) \}\}", "\n".join(block)):
+        value: Any = values
+        for key in switch.split("."):
+            value = value[key]
+        assert value is True, f"{switch} must default to true to render every rule"
+    kept = "\n".join(line for line in block if not line.lstrip().startswith("{{"))
+    rules: list[dict[str, Any]] = yaml.safe_load(kept)
     return rules
 
 
