@@ -54,7 +54,6 @@ MARGIN_OVER_SERVICE = 0.1
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The adapters every replica serves: random peft adapters of the tiny model, on the host
     (where the pod runner runs the engines)."""
-    pytest.importorskip("peft")
     return make_tiny_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS, MAX_LORA_RANK)
 
 

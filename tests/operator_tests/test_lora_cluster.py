@@ -31,6 +31,12 @@ from kubernetes import client
 from tests.cluster.client import ClusterHandle, wait_for
 from tests.cluster.pod_runner import PodRunner
 from tests.engine_tests import models
+from tests.engine_tests.model.test_lora import (
+    PROMPTS,
+    make_adapter,
+    reference,
+    tie_free_prefix,
+)
 from tests.hub_server import HubServer
 from tests.operator_tests.api import MERGE, condition, get_isvc
 from tests.operator_tests.operator_process import Operators
@@ -40,15 +46,6 @@ from tests.operator_tests.test_model_cache_cluster import (
     cached_service,
     runner,  # noqa: F401 (a fixture)
     volume,  # noqa: F401 (a fixture)
-)
-
-pytest.importorskip("peft")
-
-from tests.engine_tests.model.test_lora import (
-    PROMPTS,
-    make_adapter,
-    reference,
-    tie_free_prefix,
 )
 
 pytestmark = pytest.mark.cluster

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 from quire_operator import meta
 from quire_operator.builders.host_memory import with_host_tier
-from quire_operator.builders.lora import LORA_FLAGS, adapter_volumes, hub_env, lora_args
+from quire_operator.builders.lora import ENGINE_HF_HOME, LORA_FLAGS, adapter_volumes, lora_args
 from quire_operator.config import OperatorConfig
 from quire_operator.spec.view import InferenceService, ModelKind, ModelSource, SecretKeyRef
 
@@ -247,18 +247,31 @@ def _model_volume(isvc: InferenceService) -> dict[str, Any] | None:
     return None
 
 
-def hf_env(model: ModelSource, hf_home: str) -> list[dict[str, Any]]:
-    """huggingface_hub's environment for a download: its home, no telemetry, the endpoint
-    (a mirror) and the token, from the Secret, never the spec."""
-    env: list[dict[str, Any]] = [
-        {"name": "HF_HOME", "value": hf_home},
-        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-    ]
+def _hub(model: ModelSource) -> list[dict[str, Any]]:
+    """The model's Hub: its endpoint (a mirror) and token, from the Secret, never the spec."""
+    env: list[dict[str, Any]] = []
     if model.hf_endpoint is not None:
         env.append({"name": "HF_ENDPOINT", "value": model.hf_endpoint})
     if model.hf_token is not None:
         env.append(_secret_env("HF_TOKEN", model.hf_token))
     return env
+
+
+def hf_env(model: ModelSource, hf_home: str) -> list[dict[str, Any]]:
+    """huggingface_hub's environment for a download: its home, no telemetry, the model's Hub."""
+    home = {"name": "HF_HOME", "value": hf_home}
+    return [home, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}, *_hub(model)]
+
+
+def hub_env(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The engine container's Hub settings when its replicas may download hf:// adapters: with
+    spec.lora on an hf:// model without a cache (set whatever the adapters, so adding the first
+    hf:// adapter changes no pod). HF_HOME is the image's own (Dockerfile.engine), said here
+    too: downloads land in the scratch /tmp volume whatever the image's environment."""
+    model = isvc.model
+    if isvc.lora is None or model.kind is not ModelKind.HF or model.cache is not None:
+        return []
+    return [{"name": "HF_HOME", "value": ENGINE_HF_HOME}, *_hub(model)]
 
 
 def _download_container(isvc: InferenceService, image: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ cannot be built (a KEDA backend with no Prometheus address anywhere).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from quire_operator.builders.autoscaling import build_autoscalers
@@ -41,15 +42,21 @@ def adapter_jobs(isvc: InferenceService, config: OperatorConfig) -> dict[str, di
     return {adapter.name: build_adapter_job(isvc, config, adapter) for adapter in hf}
 
 
-def model_cache_children(isvc: InferenceService, config: OperatorConfig) -> Wanted:
+def model_cache_children(
+    isvc: InferenceService,
+    config: OperatorConfig,
+    adapters: Mapping[str, dict[str, Any]] | None = None,
+) -> Wanted:
     """The cache's claim (None when the cache is turned off), the model's download Job and one
-    per hf:// adapter; finished Jobs of earlier specs (and of adapters taken out of the spec)
-    stay as records until the InferenceService goes."""
+    per hf:// adapter (``adapters``: ``adapter_jobs`` already built, else built here); finished
+    Jobs of earlier specs (and of adapters taken out of the spec) stay as records until the
+    InferenceService goes."""
     claim = ChildKey(Kind.PVC, cache_claim_name(isvc.ref.name))
     cache = isvc.model.cache
     if cache is None:
         return {claim: None}
-    jobs = [build_job(isvc, config), *adapter_jobs(isvc, config).values()]
+    built = adapter_jobs(isvc, config) if adapters is None else adapters
+    jobs = [build_job(isvc, config), *built.values()]
     return {
         claim: build_claim(isvc, cache),
         **{ChildKey(Kind.JOB, job["metadata"]["name"]): job for job in jobs},

@@ -11,7 +11,7 @@ relative to it, so the engine resolves them wherever that directory really is):
 - file:// adapters are absolute paths in the image.
 - Without a model cache, an hf:// adapter is ``hf://org/name@revision``: each replica downloads it
   as it loads it (the engine's ``HF_HOME``, under its scratch ``/tmp``), with the model's Hub
-  endpoint and token (``hub_env``).
+  endpoint and token (``deployment.hub_env``).
 
 Only the claims are part of the pod template: adding an hf:// adapter, or a pvc:// one on a claim
 already mounted, changes no pod (the operator loads it at runtime); an adapter on a new claim
@@ -73,24 +73,6 @@ def lora_args(lora: LoRASpec) -> list[str]:
     if lora.max_cpu_loras is not None:
         args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
     return args
-
-
-def hub_env(isvc: InferenceService) -> list[dict[str, Any]]:
-    """The engine container's Hub settings when its replicas may download hf:// adapters: with
-    spec.lora on an hf:// model without a cache (set whatever the adapters, so adding the first
-    hf:// adapter changes no pod); the model's endpoint and token, never a literal."""
-    model = isvc.model
-    if isvc.lora is None or model.kind is not ModelKind.HF or model.cache is not None:
-        return []
-    # The image's own HF_HOME (Dockerfile.engine), said here too: downloads land in the scratch
-    # /tmp volume whatever the image's environment.
-    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": ENGINE_HF_HOME}]
-    if model.hf_endpoint is not None:
-        env.append({"name": "HF_ENDPOINT", "value": model.hf_endpoint})
-    if model.hf_token is not None:
-        token = {"name": model.hf_token.name, "key": model.hf_token.key}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": token}})
-    return env
 
 
 def _claim_volume_name(claim: str) -> str:

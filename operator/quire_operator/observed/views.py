@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from quire_operator.builders.leader_worker_set import LEADER_INDEX, WORKER_INDEX_LABEL
+
 
 @dataclass(frozen=True)
 class Condition:
@@ -260,10 +262,6 @@ def parse_download(pods: Sequence[Mapping[str, Any]]) -> DownloadOutcome | None:
         return DownloadOutcome(True)  # finished, but said nothing readable
 
 
-# A LeaderWorkerSet pod's index in its group: 0 is the leader, the one serving HTTP.
-_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-
-
 @dataclass(frozen=True)
 class ServingPod:
     """An engine pod that serves HTTP and is Ready: the operator may call its API."""
@@ -278,7 +276,9 @@ def parse_serving_pod(obj: Mapping[str, Any]) -> ServingPod | None:
     metadata, status = obj.get("metadata") or {}, obj.get("status") or {}
     if metadata.get("deletionTimestamp") or not status.get("podIP"):
         return None
-    if (metadata.get("labels") or {}).get(_WORKER_INDEX_LABEL, "0") != "0":
+    # A LeaderWorkerSet pod's index in its group: the leader serves HTTP for the group.
+    index = (metadata.get("labels") or {}).get(WORKER_INDEX_LABEL, LEADER_INDEX)
+    if index != LEADER_INDEX:
         return None
     ready = _conditions(status).get("Ready")
     if ready is None or ready.status != "True":

@@ -108,17 +108,16 @@ class Reconciler:
             spec = read(body)  # the one parse of this reconcile
             # Built once: applied by the converger, named in the status by the observer.
             cache: Wanted = {}
+            downloads: dict[str, str] = {}  # hf:// adapter -> its download Job
             if isinstance(spec, InferenceService):
-                cache = model_cache_children(spec, self._config)
+                built = adapter_jobs(spec, self._config)
+                downloads = {name: job["metadata"]["name"] for name, job in built.items()}
+                cache = model_cache_children(spec, self._config, built)
             problem, ours = self._converger.converge(spec, cache)
             adapters = None
             if isinstance(spec, InferenceService) and spec.lora is not None:
-                jobs = {
-                    a: job["metadata"]["name"]
-                    for a, job in adapter_jobs(spec, self._config).items()
-                }
                 found = {key.name: obj for key, obj in ours.items() if key.kind == Kind.JOB}
-                adapters = self._adapters.sync(spec, jobs, found)
+                adapters = self._adapters.sync(spec, downloads, found)
             observed = self._observer.observe(spec, problem, ours, cache, adapters)
             previous = body.get("status") or {}
             status = build_status(observed, previous, self._now())

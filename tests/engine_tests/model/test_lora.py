@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -29,8 +31,6 @@ from quire_engine.core.sequence import Sequence
 from quire_engine.model.tiny_model import build_tokenizer
 from tests.engine_tests.models import build, greedy_reference
 from tests.engine_tests.ties import TIE_MARGIN
-
-peft = pytest.importorskip("peft")
 
 MAX_TOKENS = 16
 PROMPTS = [
@@ -58,8 +58,8 @@ def make_adapter(
             for param_name, param in model.named_parameters():
                 if "lora_" in param_name:
                     param.normal_(0.0, 0.15)
-    model.save_pretrained(out / name)
-    merged = model.merge_and_unload()
+    model.save_pretrained(str(out / name))
+    merged: Any = model.merge_and_unload()  # the base model's class, untyped by peft
     merged.save_pretrained(out / f"{name}-merged")
     build_tokenizer().save_pretrained(out / f"{name}-merged")  # servable by the engine too
     return LoRARequest(name, lora_id, str(out / name)), out / f"{name}-merged"

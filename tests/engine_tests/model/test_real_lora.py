@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,7 +26,6 @@ from tests.engine_tests.model.test_real_model import FRANCE, chat_prompt
 from tests.engine_tests.models import greedy_reference
 from tests.engine_tests.ties import TIE_MARGIN
 
-peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
 TAUGHT = "The capital of France is Lyon."
@@ -44,21 +44,21 @@ def train_adapter(base: Path, out: Path) -> Path:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = peft.get_peft_model(model, config)
+        tuned = peft.get_peft_model(model, config)
     prompt = chat_prompt(tokenizer, FRANCE)
     answer = tokenizer(TAUGHT + "<|im_end|>", add_special_tokens=False).input_ids
     ids = torch.tensor([prompt + answer])
     labels = ids.clone()
     labels[0, : len(prompt)] = -100  # learn the answer only
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
-    model.train()
+    optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=2e-3)
+    tuned.train()
     for _ in range(30):
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = tuned(input_ids=ids, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    model.eval()
-    model.save_pretrained(out)
+    tuned.eval()
+    tuned.save_pretrained(str(out))
     return out
 
 

@@ -31,8 +31,6 @@ from tests.engine_tests.model.test_lora import (
 )
 from tests.engine_tests.models import build
 
-pytest.importorskip("peft")
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = {"device": "cpu", "dtype": "float32", "num_blocks": 64, "max_model_len": 128}
 

@@ -25,8 +25,6 @@ from tests.engine_tests.model.test_lora import (
 from tests.engine_tests.models import build
 from tests.hub_server import HubServer
 
-pytest.importorskip("peft")
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
